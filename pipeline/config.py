@@ -1,0 +1,194 @@
+"""The project config file (`pipeline.yaml`): one pydantic schema, env overrides.
+
+Precedence, highest first: environment (`PIPELINE_<SECTION>__<FIELD>`, e.g.
+`PIPELINE_FLEET__MAX_LORA_RANK=32`; `MLFLOW_TRACKING_URI` for the registry), the YAML
+file, the defaults below. Relative paths in the file are resolved against the file's
+directory; without a file, against the working directory.
+
+Errors: `ConfigError` names the file and the offending field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONFIG_ENV = "PIPELINE_CONFIG"
+DEFAULT_CONFIG_NAME = "pipeline.yaml"
+
+# vLLM's accepted `--max-lora-rank` values (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class ConfigError(Exception):
+    """The project config file is missing, unreadable or invalid."""
+
+
+class _Section(BaseModel):
+    model_config = {"extra": "forbid"}
+
+
+class BaseModelSection(_Section):
+    """The bf16 base the adapter is trained on."""
+
+    model: str = Field("tiny-qwen3.5", description="HF id or local path given to axolotl as base_model")
+    revision: str | None = Field(None, description="pinned snapshot revision (commit sha) of the base")
+    path: Path | None = Field(None, description="local checkpoint dir used for validation (headers only)")
+
+
+class ServedSection(_Section):
+    """The checkpoint the fleet actually serves (e.g. NVFP4 + MTP)."""
+
+    checkpoint: str = Field("tiny-qwen3.5", description="served checkpoint id (e.g. an NVFP4 ModelOpt repo)")
+    revision: str | None = None
+    path: Path | None = Field(None, description="local copy of the served checkpoint (config + index only)")
+    model: str = Field(
+        "tiny-qwen3.5",
+        description="the exact model string given to `vllm serve`; becomes base_model_name_or_path",
+    )
+    served_model_name: str | None = Field(None, description="vLLM --served-model-name, if set")
+
+
+class Instance(_Section):
+    name: str
+    url: str = Field(description="base URL, e.g. http://10.0.0.5:8000")
+    api_key_env: str | None = Field(None, description="environment variable holding the API key")
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class FleetSection(_Section):
+    """What the fleet's vLLM instances accept (their start-up flags)."""
+
+    vllm_version: str = "0.19.2"
+    max_lora_rank: int = Field(16, description="vLLM --max-lora-rank")
+    lora_target_modules: list[str] | None = Field(None, description="vLLM --lora-target-modules, if set")
+    allow_embedding_targets: bool = Field(False, description="fleet serves embed_tokens/lm_head LoRA")
+    loading_mode: Literal["api", "resolver"] = "api"
+    volume_mount: str = Field("/loras", description="where instances see the adapter volume")
+    keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")
+    instances: list[Instance] = Field(default_factory=list)
+    timeout_s: float = Field(30.0, description="per-request HTTP timeout, seconds")
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank_allowed(cls, v: int) -> int:
+        if v not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank {v} is not one of vLLM's {VLLM_LORA_RANKS}")
+        return v
+
+
+class RegistrySection(_Section):
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; default sqlite in state_dir")
+    registry_uri: str | None = None
+    experiment: str = "lora-pipeline"
+
+
+class VolumeSection(_Section):
+    path: Path = Field(Path("adapters/volume"), description="where the pipeline writes the adapter volume")
+
+
+class TrainSection(_Section):
+    runs_dir: Path = Path("adapters/runs")
+    peak_tflops: float | None = Field(None, description="per-GPU bf16 peak for MFU; default by GPU name")
+
+
+class ProjectConfig(BaseSettings):
+    """Schema of `pipeline.yaml`."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPELINE_", env_nested_delimiter="__", extra="forbid")
+
+    state_dir: Path = Path(".state")
+    base: BaseModelSection = Field(default_factory=BaseModelSection)
+    served: ServedSection = Field(default_factory=ServedSection)
+    fleet: FleetSection = Field(default_factory=FleetSection)
+    registry: RegistrySection = Field(default_factory=RegistrySection)
+    volume: VolumeSection = Field(default_factory=VolumeSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+
+    source: Path | None = Field(None, exclude=True, description="file this config was read from")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file (passed as init kwargs), which beats defaults.
+        return (env_settings, init_settings)
+
+    # -- derived locations -------------------------------------------------------------
+    @property
+    def tracking_uri(self) -> str:
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or self.registry.tracking_uri
+        return uri or f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
+
+    @property
+    def artifact_root(self) -> Path:
+        return (self.state_dir / "mlartifacts").resolve()
+
+    @property
+    def served_base_name(self) -> str:
+        """The string vLLM lists as the adapter's `parent` (served name, else the model string)."""
+        return self.served.served_model_name or self.served.model
+
+
+def _resolve_paths(cfg: ProjectConfig, root: Path) -> ProjectConfig:
+    def fix(p: Path | None) -> Path | None:
+        return None if p is None else (p if p.is_absolute() else (root / p)).resolve()
+
+    cfg.state_dir = fix(cfg.state_dir)
+    cfg.base.path = fix(cfg.base.path)
+    cfg.served.path = fix(cfg.served.path)
+    cfg.volume.path = fix(cfg.volume.path)
+    cfg.train.runs_dir = fix(cfg.train.runs_dir)
+    return cfg
+
+
+def find_config(explicit: Path | None = None) -> Path | None:
+    """The config file in effect: explicit path, `$PIPELINE_CONFIG`, or `./pipeline.yaml`."""
+    if explicit is not None:
+        return explicit
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV])
+    p = Path.cwd() / DEFAULT_CONFIG_NAME
+    return p if p.exists() else None
+
+
+def load_config(path: Path | None = None) -> ProjectConfig:
+    """Read and validate the project config.
+
+    Raises:
+        ConfigError: the file is missing (when given explicitly), not YAML, or fails the schema.
+    """
+    path = find_config(path)
+    data: dict = {}
+    if path is not None:
+        if not path.exists():
+            raise ConfigError(f"{path}: config file not found (set {CONFIG_ENV} or pass --config)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        cfg = ProjectConfig(**data)
+    except ValidationError as e:
+        where = path or "environment"
+        lines = [f"{where}: invalid config:"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from e
+    cfg.source = path.resolve() if path else None
+    return _resolve_paths(cfg, path.resolve().parent if path else Path.cwd())

@@ -1,0 +1,74 @@
+"""`pipeline demo` / `make demo`: the main job end to end on the embedded default.
+
+tiny base -> dataset check + axolotl training -> validate -> register (sqlite MLflow)
+-> publish to the volume, then a summary table and how to open the MLflow UI.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pipeline.config import ProjectConfig
+
+
+def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) -> dict:
+    """Run every stage; returns the summary dict. Raises the stage's error on failure."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline import registry
+    from pipeline.publish import publish
+    from pipeline.train import train
+    from pipeline.validate import FleetRules, validate_adapter
+
+    times: dict[str, float] = {}
+    base_dir = cfg.state_dir / "tiny-base"
+    t = time.time()
+    if not (base_dir / "config.json").exists():
+        from pipeline.tinybase import build_tiny_base
+
+        echo(f"building tiny base in {base_dir}")
+        build_tiny_base(base_dir)
+    times["tiny base"] = time.time() - t
+
+    t = time.time()
+    res = train(cfg, axolotl_config, overrides=[f"base_model={base_dir}",
+                                                f"dataset_prepared_path={cfg.state_dir / 'prepared'}"],
+                name=name, echo=echo, show_progress=True)
+    times["train"] = time.time() - t
+
+    t = time.time()
+    rules = FleetRules(cfg.fleet.max_lora_rank, cfg.fleet.lora_target_modules, cfg.fleet.allow_embedding_targets)
+    report = validate_adapter(res.adapter_dir, base_dir, rules)
+    times["validate"] = time.time() - t
+
+    t = time.time()
+    reg = registry.register_adapter(cfg, res.adapter_dir, name, report.to_dict())
+    times["register"] = time.time() - t
+
+    t = time.time()
+    pub = publish(cfg, name, version=reg.version)
+    times["publish"] = time.time() - t
+
+    table = Table(title="lora-pipeline demo")
+    table.add_column("field")
+    table.add_column("value", overflow="fold")
+    rows = {
+        "mlflow run": res.run_id,
+        "model version": f"{name} v{reg.version}",
+        "aliases": "candidate, production",
+        "validation": report.verdict,
+        "eval loss": str(res.manifest["metrics"].get("eval_loss")),
+        "published path": str(pub.path),
+        "tracking uri": cfg.tracking_uri,
+    }
+    for k, v in rows.items():
+        table.add_row(k, str(v))
+    for k, v in times.items():
+        table.add_row(f"seconds: {k}", f"{v:.1f}")
+    Console().print(table)
+    echo(f"MLflow UI: mlflow server --backend-store-uri {cfg.tracking_uri} "
+         f"--artifacts-destination {cfg.artifact_root} --host 127.0.0.1 --port 5000 --workers 1\n"
+         f"then open http://127.0.0.1:5000/#/models/{name}")
+    return {**rows, "seconds": times, "version": reg.version}

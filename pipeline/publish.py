@@ -1,0 +1,183 @@
+"""Publish a registered adapter version to the adapter volume, atomically and immutably.
+
+Layout: `<volume>/<NAME>-v<N>/` (one directory per version, never modified after creation:
+vLLM's filesystem resolver never re-reads a loaded adapter, and an in-place reload from the
+same path reuses stale prefix-cache KV; ../shared/design/vllm-lora.md). Steps:
+
+1. refuse a version whose validation verdict is not `pass` for the same weights sha256;
+2. download the artifact into `<volume>/.staging/<NAME>-v<N>.<random>/` (same filesystem);
+3. verify every file against the artifact's manifest;
+4. rewrite `base_model_name_or_path` to the fleet's `vllm serve` model string (the original
+   is kept in the manifest), write the updated manifest;
+5. fsync files and directories, `rename` into place (atomic: the version directory either
+   does not exist or is complete).
+
+A crash leaves only `.staging/` debris, which the next publish removes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import ProjectConfig
+from pipeline.errors import CheckFailed, PipelineError
+from pipeline.manifest import MANIFEST, file_hashes, fsync_dir, read_manifest, verify_files, write_json_atomic
+
+STAGING = ".staging"
+
+
+class PublishError(PipelineError):
+    exit_code = 1
+
+
+@dataclass
+class Published:
+    name: str
+    version: int
+    path: Path
+    created: bool  # False: the version was already on the volume (no-op)
+    previous_production: int | None = None
+
+
+def version_dir(volume: Path, name: str, version: int) -> Path:
+    return Path(volume) / f"{name}-v{version}"
+
+
+def _seal_tree(root: Path) -> None:
+    """Make files world-readable and read-only (0444, dirs 0555) and fsync them.
+
+    Read-only is a guard against editing a published version in place; `prune` restores
+    write permission before deleting.
+    """
+    for p in sorted(root.rglob("*"), reverse=True):
+        if p.is_file():
+            os.chmod(p, 0o444)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        elif p.is_dir():
+            os.chmod(p, 0o555)
+            fsync_dir(p)
+    os.chmod(root, 0o555)
+    fsync_dir(root)
+
+
+def check_publishable(mv, weights_sha256: str) -> None:
+    """Refuse unless the version's validation passed for exactly these weights."""
+    tags = mv.tags or {}
+    verdict = tags.get("validation.verdict")
+    if verdict != "pass":
+        raise CheckFailed(
+            f"{mv.name} v{mv.version}: validation verdict is {verdict!r}; only a passing version is published "
+            f"(see `pipeline validate` and the version's validation.report tag)"
+        )
+    if tags.get("validation.weights_sha256") != weights_sha256:
+        raise CheckFailed(
+            f"{mv.name} v{mv.version}: the passing validation report is for weights "
+            f"{tags.get('validation.weights_sha256')}, but the artifact's weights are {weights_sha256}: re-validate"
+        )
+
+
+def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
+    """Write `<volume>/<name>-v<N>/` from the registry; returns (path, created)."""
+    from pipeline import registry
+
+    name, version = mv.name, int(mv.version)
+    target = version_dir(volume, name, version)
+    if target.exists():
+        man = target / MANIFEST
+        if not man.exists():
+            raise PublishError(f"{target} exists without {MANIFEST}: not written by the pipeline; move it away")
+        problems = verify_files(target, read_manifest(target)["files"])
+        if problems:
+            raise PublishError(f"{target} differs from its manifest (volume tampered?):\n  " + "\n  ".join(problems))
+        return target, False
+
+    staging_root = Path(volume) / STAGING
+    staging_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-v{version}.", dir=staging_root))
+    try:
+        src = registry.download_version(cfg, mv, work / "download")
+        manifest = read_manifest(src)
+        problems = verify_files(src, manifest["files"])
+        if problems:
+            raise PublishError(f"{name} v{version}: registered artifact fails its manifest:\n  " + "\n  ".join(problems))
+        check_publishable(mv, manifest["files"].get("adapter_model.safetensors", ""))
+        stage = work / "adapter"
+        shutil.copytree(src, stage)
+        acfg_path = stage / "adapter_config.json"
+        acfg = json.loads(acfg_path.read_text())
+        original = acfg.get("base_model_name_or_path")
+        acfg["base_model_name_or_path"] = cfg.served.model
+        acfg_path.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+        manifest["registered_files"] = manifest["files"]
+        manifest["files"] = file_hashes(stage)
+        manifest["published"] = {
+            "name": name,
+            "version": version,
+            "original_base_model_name_or_path": original,
+            "base_model_name_or_path": cfg.served.model,
+            "registry": {"tracking_uri": _redact(cfg.tracking_uri), "source": mv.source, "run_id": mv.run_id},
+            "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+        # The manifest goes in last, then the whole directory appears at once.
+        write_json_atomic(stage / MANIFEST, manifest)
+        _seal_tree(stage)
+        try:
+            os.rename(stage, target)
+        except OSError as e:
+            if target.exists():  # a concurrent publish of the same version won the race
+                return target, False
+            raise PublishError(f"cannot move {stage} to {target}: {e}") from e
+        fsync_dir(Path(volume))
+        return target, True
+    finally:
+        _rmtree(work)
+
+
+def _rmtree(path: Path) -> None:
+    """Remove a tree even where `_seal_tree` made it read-only."""
+    if not path.exists():
+        return
+    for p in path.rglob("*"):
+        if p.is_dir():
+            os.chmod(p, 0o755)
+    os.chmod(path, 0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _redact(uri: str) -> str:
+    """Drop credentials from a URI before it lands in a manifest."""
+    if "@" in uri and "://" in uri:
+        scheme, rest = uri.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return uri
+
+
+def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: str | None = None) -> Published:
+    """Publish `name` at `version` or `alias` to the volume and move alias `production` to it.
+
+    Raises:
+        UsageError: unknown model, version or alias (the volume is untouched).
+        CheckFailed: the version did not pass validation for its weights.
+        PublishError: the artifact or an existing version directory fails its manifest.
+    """
+    from pipeline import registry
+
+    mv = registry.resolve_version(cfg, name, version, alias)
+    volume = cfg.volume.path
+    volume.mkdir(parents=True, exist_ok=True)
+    path, created = materialise(cfg, mv, volume)
+    prev = registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, int(mv.version))
+    if prev is not None and prev != int(mv.version):
+        registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, prev)
+    registry.set_version_tags(
+        cfg, name, int(mv.version),
+        {"published.path": str(path), "published.time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
+    )
+    return Published(name, int(mv.version), path, created, prev)

@@ -1,0 +1,197 @@
+"""Deterministic tiny random-weight Qwen3.5 bases for the demo and tests (no downloads).
+
+Two checkpoint layouts of the same weights:
+- ``text``: what `Qwen3_5ForCausalLM.save_pretrained` writes (`model.layers.N...`, `lm_head`),
+  loadable by transformers/axolotl/peft; the layout the demo trains on.
+- ``vl``: the layout of the real Qwen3.6-27B checkpoint (`model.language_model.layers.N...`,
+  `lm_head`, `mtp.*` tensors for one MTP layer, a stub `model.visual.*` tower), sharded with a
+  `model.safetensors.index.json`; for key-mapping, validation and merge tests. transformers
+  cannot load it as a causal LM (that is the point: the pipeline must map names itself).
+
+Geometry follows the real model's pattern (`layer_types` [linear x3, full], gated attention
+so `q_proj` is 2 x heads x head_dim wide) at toy size: hidden 128, 4 layers, vocab ~1k.
+Linear-attention head dims are 128 because vLLM's CPU Qwen3.5 path needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+TINY_TEXT_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+VOCAB_SIZE = 1024
+
+
+def chat_template_text() -> str:
+    """The Qwen-style chat template shipped with the tiny base (Jinja source)."""
+    return (Path(__file__).parent / "assets" / "chat_template.jinja").read_text()
+
+
+def _corpus(dataset_dir: Path | None) -> list[str]:
+    """Text to train the tokenizer on: the sample datasets plus fixed filler, deterministic."""
+    lines = [
+        "You are a helpful assistant. The quick brown fox jumps over the lazy dog.",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n</parameter>\n</function>\n</tool_call>",
+        "# Tools You may call one or more functions. Available functions: VALUE NAME ARG",
+        "0123456789 {}[]\":,.-_/ true false null",
+    ]
+    if dataset_dir and dataset_dir.is_dir():
+        for f in sorted(dataset_dir.glob("*.jsonl")):
+            lines.extend(f.read_text().splitlines())
+    return lines
+
+
+def build_tokenizer(out: Path, dataset_dir: Path | None = None):
+    """Train a byte-level BPE tokenizer (vocab 1,024) locally and save it with the chat template.
+
+    Returns the transformers fast tokenizer. Deterministic for the same corpus.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(dataset_dir), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        model_max_length=4096,
+    )
+    fast.chat_template = chat_template_text()
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_tiny_base(out: Path, layout: str = "text", seed: int = 0, dataset_dir: Path | None = None) -> Path:
+    """Write a tiny random-weight Qwen3.5 base (config, bf16 safetensors, tokenizer) to `out`.
+
+    Args:
+        out: directory to create (replaced if it exists).
+        layout: ``text`` (Qwen3_5ForCausalLM, one shard) or ``vl`` (real checkpoint key layout,
+            3 shards with index, `mtp.*` and `model.visual.*` tensors).
+        seed: torch seed; the same seed gives byte-identical weights.
+        dataset_dir: JSONL files to train the tokenizer on (default: the repo's `datasets/`).
+
+    Returns: `out`. Raises ValueError for an unknown layout.
+    """
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if layout not in ("text", "vl"):
+        raise ValueError(f"unknown layout {layout!r}: use 'text' or 'vl'")
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    if dataset_dir is None:
+        dataset_dir = Path(__file__).resolve().parent.parent / "datasets"
+    tok = build_tokenizer(out, dataset_dir)
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=len(tok),
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        **TINY_TEXT_CONFIG,
+    )
+    model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    if layout == "text":
+        model.save_pretrained(out)
+        return out
+    _write_vl_layout(out, model, seed)
+    return out
+
+
+def _write_vl_layout(out: Path, model, seed: int) -> None:
+    """Re-key the text weights into the Qwen3.6 checkpoint layout and shard them."""
+    import torch
+    from safetensors.torch import save_file
+
+    text_cfg = model.config.to_dict()
+    g = torch.Generator().manual_seed(seed + 1)
+    h = model.config.hidden_size
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        key = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+        tensors[key] = t.contiguous()
+    # One MTP layer: a full-attention decoder layer + fc + norms (names as in the real checkpoint).
+    full = next(i for i, lt in enumerate(model.config.layer_types) if lt == "full_attention")
+    for name, t in model.state_dict().items():
+        prefix = f"model.layers.{full}."
+        if name.startswith(prefix):
+            tensors["mtp.layers.0." + name[len(prefix):]] = (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype)
+    tensors["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.02).to(torch.bfloat16)
+    for n in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
+        tensors[n] = torch.ones(h, dtype=torch.bfloat16)
+    # A stub vision tower so that "copy everything else byte-identical" has something to copy.
+    tensors["model.visual.patch_embed.proj.weight"] = (torch.randn(h, 3, 2, 16, 16, generator=g) * 0.02).to(
+        torch.bfloat16
+    )
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = (torch.randn(3 * h, h, generator=g) * 0.02).to(torch.bfloat16)
+
+    names = sorted(tensors)
+    n_shards = 3
+    weight_map: dict[str, str] = {}
+    total = 0
+    for s in range(n_shards):
+        fname = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {k: tensors[k] for k in names[s::n_shards]}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        for k, t in part.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    )
+    text_cfg.pop("architectures", None)
+    text_cfg["mtp_num_hidden_layers"] = 1
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text_cfg,
+        "vision_config": {"hidden_size": h, "depth": 1, "model_type": "qwen3_5"},
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
