@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE=1
 export WANDB_MODE=disabled
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup demo test test-fast lint fleet-env clean
+.PHONY: setup demo test test-fast lint fleet-env sysdeps clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/pipeline demo
 
-test: setup
+test: setup fleet-env sysdeps
 	$(VENV)/bin/pytest -q
 
 test-fast: setup
@@ -37,6 +37,10 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check pipeline tests benchmarks scripts
 	$(VENV)/bin/ruff format --check pipeline tests benchmarks scripts
+
+# PostgreSQL and chromium for the registry tests (root + apt only; tests skip without them).
+sysdeps:
+	@bash scripts/ci_deps.sh
 
 # A separate virtualenv with vLLM's CPU build (it pins its own torch): never the pipeline's.
 fleet-env:

@@ -275,5 +275,12 @@ def demo(
     run_demo(project_config(), name=name, axolotl_config=config, echo=typer.echo)
 
 
+# Areas with their own command modules (each a thin layer over its library module).
+from pipeline import cli_canary, cli_fleet, cli_merge, cli_registry, cli_schedule  # noqa: E402
+
+for _area in (cli_fleet, cli_registry, cli_merge, cli_canary, cli_schedule):
+    _area.register(app)
+
+
 if __name__ == "__main__":
     app()

@@ -63,8 +63,7 @@ def _seal_tree(root: Path) -> None:
         elif p.is_dir():
             os.chmod(p, 0o555)
             fsync_dir(p)
-    os.chmod(root, 0o555)
-    fsync_dir(root)
+    fsync_dir(root)  # root stays writable until renamed: moving a directory needs write on it
 
 
 def check_publishable(mv, weights_sha256: str) -> None:
@@ -134,6 +133,7 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
             if target.exists():  # a concurrent publish of the same version won the race
                 return target, False
             raise PublishError(f"cannot move {stage} to {target}: {e}") from e
+        os.chmod(target, 0o555)
         fsync_dir(Path(volume))
         return target, True
     finally:

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny bases, a project config in a temp dir, and one real axolotl training."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, write_project_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("PIPELINE_CONFIG", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    from pipeline.tinybase import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("base") / "tiny-base")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_base(tmp_path_factory) -> Path:
+    from pipeline.tinybase import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("base-vl") / "tiny-base-vl", layout="vl")
+
+
+@pytest.fixture()
+def project(tmp_path, monkeypatch):
+    """A fresh project: pipeline.yaml + sqlite MLflow + volume under tmp_path; returns the config."""
+    from pipeline.config import load_config
+
+    path = write_project_config(tmp_path)
+    monkeypatch.setenv("PIPELINE_CONFIG", str(path))
+    return load_config(path)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, tiny_base):
+    """One real axolotl training run of axolotl_configs/tiny-cpu.yml (a few steps) on the tiny base.
+
+    Returns (ProjectConfig, TrainResult). Session-scoped: ~60-100 s on 2 cores.
+    """
+    from pipeline.config import load_config
+    from pipeline.train import train
+
+    root = tmp_path_factory.mktemp("trained")
+    cfg = load_config(write_project_config(root))
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the config's dataset paths are relative to the repo root
+    try:
+        res = train(
+            cfg,
+            REPO / "axolotl_configs" / "tiny-cpu.yml",
+            overrides=[f"base_model={tiny_base}", f"dataset_prepared_path={root / 'prepared'}", "max_steps=6",
+                       "eval_steps=6", "save_steps=6"],
+            name="agent-tools",
+            show_progress=False,
+            echo=lambda *a: None,
+        )
+    finally:
+        os.chdir(cwd)
+    return cfg, res
