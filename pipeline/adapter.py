@@ -26,7 +26,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
 
-KEY_RE = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
+KEY_RE = re.compile(
+    r"^(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$"
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class LoraKey:
     module: str  # canonical module, e.g. layers.3.self_attn.q_proj
     kind: str  # "A" or "B"
     embedding: bool
+    peft_module: str = (
+        ""  # the module as PEFT names it (no `base_model.model.`): rank/alpha patterns match this
+    )
 
 
 def parse_key(tensor: str) -> LoraKey | None:
@@ -45,7 +50,7 @@ def parse_key(tensor: str) -> LoraKey | None:
     m = KEY_RE.match(name)
     if not m:
         return None
-    module = m.group("module")
+    module = peft_module = m.group("module")
     for p in TEXT_PREFIXES:
         if module.startswith(p):
             module = module[len(p) :]
@@ -53,13 +58,20 @@ def parse_key(tensor: str) -> LoraKey | None:
     if module.startswith("model.visual."):
         module = module[len("model.") :]
     kind = m.group("kind")
-    return LoraKey(tensor, module, "A" if kind.endswith("A") else "B", kind.startswith("lora_embedding"))
+    return LoraKey(
+        tensor, module, "A" if kind.endswith("A") else "B", kind.startswith("lora_embedding"), peft_module
+    )
 
 
 def pattern_value(pattern: dict, module: str, default):
-    """peft's per-module override lookup: first pattern key matching the module's name suffix."""
+    r"""peft's per-module override lookup: the first pattern key matching a dotted suffix of `module`.
+
+    Same rule as peft `get_pattern_key` and vLLM `PEFTHelper._match_pattern`
+    (`re.match(rf"(.*\.)?({key})$", name)`); pass the PEFT module name (`LoraKey.peft_module`)
+    so that keys written with a layout prefix (`model.layers.3.mlp.up_proj`) match too.
+    """
     for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
 
@@ -94,8 +106,20 @@ class AdapterConfig:
 
     @property
     def target_modules(self) -> list[str]:
+        """Declared targets as a list; a regex string (peft's other form) is returned as [regex]."""
         t = self.raw.get("target_modules") or []
         return [t] if isinstance(t, str) else list(t)
+
+    def targets(self, module: str) -> bool:
+        """Whether peft would target `module` (canonical or PEFT name).
+
+        peft: a string is a regex that must match the whole name; a list matches exact names or
+        dotted suffixes (peft/tuners/tuners_utils.py `check_target_module_exists`).
+        """
+        t = self.raw.get("target_modules")
+        if isinstance(t, str):
+            return t == "all-linear" or re.fullmatch(t, module) is not None
+        return any(module == k or module.endswith("." + k) for k in t or [])
 
 
 def load_adapter_config(adapter_dir: Path) -> AdapterConfig:
@@ -105,7 +129,9 @@ def load_adapter_config(adapter_dir: Path) -> AdapterConfig:
     """
     p = Path(adapter_dir) / CONFIG_FILE
     if not p.is_file():
-        raise FileNotFoundError(f"{p}: missing; an adapter directory needs adapter_config.json (PEFT save_pretrained writes it)")
+        raise FileNotFoundError(
+            f"{p}: missing; an adapter directory needs adapter_config.json (PEFT save_pretrained writes it)"
+        )
     try:
         raw = json.loads(p.read_text())
     except json.JSONDecodeError as e:

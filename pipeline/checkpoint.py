@@ -21,8 +21,23 @@ from pathlib import Path
 
 # safetensors dtype names -> bytes per element (https://github.com/huggingface/safetensors).
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E8M0": 1,
+    "F4": 1,
 }
 MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB too
 
@@ -42,6 +57,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     file: str
     nbytes: int
+    offset: int = 0  # absolute byte offset of the data in the file
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
@@ -62,7 +78,9 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise HeaderError(f"{path}: truncated: {size} bytes, no safetensors header")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or n > size - 8:
-            raise HeaderError(f"{path}: header length {n} bytes is larger than the file ({size} bytes): truncated or not safetensors")
+            raise HeaderError(
+                f"{path}: header length {n} bytes is larger than the file ({size} bytes): truncated or not safetensors"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -80,14 +98,18 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         except (KeyError, TypeError, ValueError) as e:
             raise HeaderError(f"{path}: tensor {name}: malformed header entry {info!r}") from e
         if end > data_len or start > end:
-            raise HeaderError(f"{path}: tensor {name}: data offsets [{start}, {end}) leave the file ({data_len} data bytes): truncated")
+            raise HeaderError(
+                f"{path}: tensor {name}: data offsets [{start}, {end}) leave the file ({data_len} data bytes): truncated"
+            )
         numel = 1
         for s in shape:
             numel *= s
         per = DTYPE_BYTES.get(dtype)
         if per is not None and dtype != "F4" and numel * per != end - start:
-            raise HeaderError(f"{path}: tensor {name}: {dtype} {list(shape)} needs {numel * per} bytes, header says {end - start}")
-        out[name] = TensorInfo(name, dtype, shape, path.name, end - start)
+            raise HeaderError(
+                f"{path}: tensor {name}: {dtype} {list(shape)} needs {numel * per} bytes, header says {end - start}"
+            )
+        out[name] = TensorInfo(name, dtype, shape, path.name, end - start, 8 + n + start)
     return out
 
 
@@ -139,7 +161,10 @@ class Checkpoint:
             return list(lt)
         interval = self.text_config.get("full_attention_interval")
         if interval:
-            return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(self.num_layers)]
+            return [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(self.num_layers)
+            ]
         return ["full_attention"] * self.num_layers
 
     @property
@@ -210,3 +235,53 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if cm and cm[1] in (".weight", ".weight_packed"):
             modules[cm[0]] = info
     return Checkpoint(path, config, text_config, layout, tensors, quant_config, modules)
+
+
+# -- quantized (served) checkpoints -------------------------------------------------------------
+# Text geometry that must agree between the bf16 base and the served checkpoint (config.json).
+GEOMETRY_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "vocab_size",
+    "layer_types",
+)
+
+
+def quant_algo(ckpt: Checkpoint) -> str | None:
+    """The checkpoint's quantization algorithm (`NVFP4`, `FP8`, `MIXED_PRECISION`, ...), or None.
+
+    ModelOpt writes `hf_quant_config.json` `{"quantization": {"quant_algo": ...}}`; newer exports
+    also put `quantization_config` (`quant_method: modelopt`) into config.json.
+    """
+    q = ckpt.quant_config
+    if not q:
+        return None
+    inner = q.get("quantization", q)
+    algo = inner.get("quant_algo") or inner.get("quant_method")
+    return str(algo).upper() if algo else "UNKNOWN"
+
+
+def logical_linear_shape(ckpt: Checkpoint, module: str) -> tuple[int, int] | None:
+    """[out_features, in_features] of a linear module, undoing quantized packing; None if absent.
+
+    NVFP4 (ModelOpt): `.weight` is U8 [out, in/2] (two e2m1 values per byte) with a
+    `.weight_scale` F8_E4M3 [out, in/16]; FP8: `.weight` F8_E4M3 [out, in]; bf16 (excluded
+    modules): as stored. Source: NVIDIA TensorRT-Model-Optimizer HF export format.
+    """
+    t = ckpt.modules.get(module)
+    if t is None or len(t.shape) != 2:
+        return None
+    out_f, in_f = t.shape
+    if t.name.endswith(".weight_packed") and t.dtype == "I32":
+        return out_f, in_f * 8  # compressed-tensors int4: eight values per int32
+    if t.dtype in ("U8", "I8") and ckpt.is_quantized:
+        return out_f, in_f * 2  # two 4-bit values per byte
+    return out_f, in_f

@@ -144,6 +144,7 @@ def train(
     ctx: typer.Context,
     config: Annotated[Path, typer.Argument(help="axolotl YAML (axolotl_configs/...)")],
     set_: Annotated[list[str], typer.Option("--set", help="override a config key: key=value (YAML value)")] = [],
+    overlay: Annotated[list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
     name: Annotated[str | None, typer.Option(help="adapter name (default: config file stem)")] = None,
     gpus: Annotated[int, typer.Option(help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
@@ -154,7 +155,7 @@ def train(
     from pipeline.train import train as run_train
 
     res = run_train(
-        project_config(), config, overrides=set_, allow=set(allow), name=name, gpus=gpus, launcher=launcher,
+        project_config(), config, overrides=set_, overlays=overlay, allow=set(allow), name=name, gpus=gpus, launcher=launcher,
         launcher_args=list(ctx.args), show_progress=progress and sys.stderr.isatty(), echo=typer.echo,
     )
     m = res.manifest["metrics"]
@@ -165,25 +166,6 @@ def train(
 
 
 # -- validate ----------------------------------------------------------------------------------------
-def fleet_rules(cfg):
-    from pipeline.validate import FleetRules
-
-    return FleetRules(cfg.fleet.max_lora_rank, cfg.fleet.lora_target_modules, cfg.fleet.allow_embedding_targets)
-
-
-def default_base(cfg, adapter: Path) -> Path | None:
-    """The base to validate against: config `base.path`, else a local `base_model` from the manifest."""
-    if cfg.base.path:
-        return cfg.base.path
-    try:
-        from pipeline.manifest import read_manifest
-
-        b = read_manifest(adapter)["base_model"]["id"]
-        return Path(b) if Path(b).is_dir() else None
-    except (FileNotFoundError, KeyError, ValueError):
-        return None
-
-
 def render_report(rep) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -205,18 +187,25 @@ def render_report(rep) -> None:
 def validate(
     adapter: Annotated[Path, typer.Argument(help="adapter directory")],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir (headers only are read)")] = None,
+    served: Annotated[Path | None, typer.Option(help="served checkpoint dir, e.g. NVFP4 (default: served.path)")] = None,
+    training_config: Annotated[
+        Path | None, typer.Option(help="resolved axolotl config of the run (default: from manifest.json)")
+    ] = None,
+    behaviour: Annotated[bool, typer.Option("--behaviour", help="also compare eval loss and canary outputs "
+                                            "(loads the model: CPU for tiny models)")] = False,
+    fold_rslora: Annotated[bool, typer.Option("--fold-rslora", help="rewrite an rsLoRA adapter's lora_alpha to the "
+                                              "plain-LoRA equivalent (in place, parity-checked) before validating")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ):
-    """Check an adapter against the base and the fleet's rules. Exit 0 pass, 1 fail, 2 usage."""
-    from pipeline.validate import validate_adapter
+    """Check an adapter against the base, the served checkpoint and the fleet. Exit 0 pass, 1 fail, 2 usage."""
+    from pipeline.errors import UsageError
+    from pipeline.validate import default_base, validate_with_config
 
     cfg = project_config()
-    base = base or default_base(cfg, adapter)
-    if base is None:
-        from pipeline.errors import UsageError
-
+    if (base or default_base(cfg, adapter)) is None:
         raise UsageError("no base checkpoint: pass --base DIR or set base.path in pipeline.yaml")
-    rep = validate_adapter(adapter, base, fleet_rules(cfg))
+    rep = validate_with_config(cfg, adapter, base, served_dir=served, training_config=training_config,
+                               behaviour=behaviour, fold_rslora=fold_rslora)
     if as_json:
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -234,13 +223,10 @@ def register(
 ):
     """Validate, then record the adapter in MLflow as a model version with alias `candidate`."""
     from pipeline import registry
-    from pipeline.validate import validate_adapter
+    from pipeline.validate import validate_with_config
 
     cfg = project_config()
-    base = base or default_base(cfg, adapter)
-    rep = validate_adapter(adapter, base, fleet_rules(cfg))
-    if base is None:
-        rep.add("base.missing", "error", "no base checkpoint to validate against: pass --base or set base.path")
+    rep = validate_with_config(cfg, adapter, base)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
     typer.echo(f"registered {reg.name} version {reg.version} (alias candidate), validation {rep.verdict}, "
                f"model {reg.model_id}, run {reg.run_id}")

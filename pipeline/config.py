@@ -75,6 +75,9 @@ class FleetSection(_Section):
     keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")
     instances: list[Instance] = Field(default_factory=list)
     timeout_s: float = Field(30.0, description="per-request HTTP timeout, seconds")
+    canary_prompt: str = Field("Hello, the weather in Tokyo is", description="prompt of the post-switch canary")
+    canary_max_tokens: int = Field(8, ge=1, description="greedy tokens the canary compares with the base")
+    lock_timeout_s: float = Field(300.0, description="wait for another fleet operation's lock, seconds")
 
     @field_validator("max_lora_rank")
     @classmethod
@@ -88,6 +91,9 @@ class RegistrySection(_Section):
     tracking_uri: str | None = Field(None, description="MLflow tracking URI; default sqlite in state_dir")
     registry_uri: str | None = None
     experiment: str = "lora-pipeline"
+    artifact_location: str | None = Field(
+        None, description="artifact store for the experiment, e.g. s3://bucket/prefix; default <state_dir>/mlartifacts"
+    )
 
 
 class VolumeSection(_Section):
@@ -97,6 +103,12 @@ class VolumeSection(_Section):
 class TrainSection(_Section):
     runs_dir: Path = Path("adapters/runs")
     peak_tflops: float | None = Field(None, description="per-GPU bf16 peak for MFU; default by GPU name")
+
+
+class RunSection(_Section):
+    """Gates of the unattended `pipeline run`."""
+
+    eval_loss_margin: float = Field(0.02, ge=0, description="max eval-loss increase over production (nats)")
 
 
 class ProjectConfig(BaseSettings):
@@ -111,6 +123,7 @@ class ProjectConfig(BaseSettings):
     registry: RegistrySection = Field(default_factory=RegistrySection)
     volume: VolumeSection = Field(default_factory=VolumeSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    run: RunSection = Field(default_factory=RunSection)
 
     source: Path | None = Field(None, exclude=True, description="file this config was read from")
 

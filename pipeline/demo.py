@@ -20,7 +20,7 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     from pipeline import registry
     from pipeline.publish import publish
     from pipeline.train import train
-    from pipeline.validate import FleetRules, validate_adapter
+    from pipeline.validate import validate_with_config
 
     times: dict[str, float] = {}
     base_dir = cfg.state_dir / "tiny-base"
@@ -39,8 +39,7 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     times["train"] = time.time() - t
 
     t = time.time()
-    rules = FleetRules(cfg.fleet.max_lora_rank, cfg.fleet.lora_target_modules, cfg.fleet.allow_embedding_targets)
-    report = validate_adapter(res.adapter_dir, base_dir, rules)
+    report = validate_with_config(cfg, res.adapter_dir, base_dir)
     times["validate"] = time.time() - t
 
     t = time.time()

@@ -1,7 +1,8 @@
 """Errors the CLI turns into a clear message and a non-zero exit code.
 
 Exit codes (documented in README): 0 ok, 1 check failed (validation, gate, dataset),
-2 usage or input error, 3 another run holds the lock, 4 fleet did not converge.
+2 usage or input error, 3 another run holds the lock, 4 fleet did not converge,
+5 a gate kept the candidate from shipping (`pipeline run`).
 """
 
 from __future__ import annotations
@@ -29,3 +30,13 @@ class LockedError(PipelineError):
 
 class FleetError(PipelineError):
     exit_code = 4
+
+
+class GateFailed(PipelineError):
+    """The candidate was registered but a gate (validation, eval loss) kept it from shipping."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, outcome=None):
+        super().__init__(message)
+        self.outcome = outcome

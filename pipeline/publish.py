@@ -166,6 +166,8 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
         UsageError: unknown model, version or alias (the volume is untouched).
         CheckFailed: the version did not pass validation for its weights.
         PublishError: the artifact or an existing version directory fails its manifest.
+        FleetError: with `fleet.instances` configured, an instance did not switch to the new
+            version (all restored; aliases and the fleet's desired state unchanged).
     """
     from pipeline import registry
 
@@ -173,6 +175,10 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
     volume = cfg.volume.path
     volume.mkdir(parents=True, exist_ok=True)
     path, created = materialise(cfg, mv, volume)
+    if cfg.fleet.instances:  # every instance serves it (or all are restored) before any alias moves
+        from pipeline.fleet_rollout import rollout
+
+        rollout(cfg, name, int(mv.version), path)
     prev = registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, int(mv.version))
     if prev is not None and prev != int(mv.version):
         registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, prev)
@@ -180,4 +186,6 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
         cfg, name, int(mv.version),
         {"published.path": str(path), "published.time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
     )
+    registry.record_event(cfg, name, int(mv.version), {"type": "publish", "path": str(path), "created": created,
+                                                       "from_version": prev})
     return Published(name, int(mv.version), path, created, prev)

@@ -195,3 +195,111 @@ def _write_vl_layout(out: Path, model, seed: int) -> None:
         "torch_dtype": "bfloat16",
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+# -- a served (NVFP4 ModelOpt-like) checkpoint ---------------------------------------------------------
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the FP4 e2m1 code points 0..7
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def quantize_nvfp4(w):
+    """NVFP4-quantize a 2-D weight [out, in] (in divisible by 16) the way ModelOpt stores it.
+
+    Returns (packed U8 [out, in/2] (low nibble first), block scales F8_E4M3 [out, in/16],
+    global scale F32 []). Each code is sign bit 3 + e2m1 magnitude index; a value is
+    code x block_scale x global_scale (NVIDIA TensorRT-Model-Optimizer NVFP4 format).
+    """
+    import torch
+
+    w = w.float()
+    out_f, in_f = w.shape
+    grid = torch.tensor(E2M1_GRID)
+    scale2 = (w.abs().max() / (448.0 * 6.0)).clamp(min=1e-12)
+    blocks = w.reshape(out_f, in_f // 16, 16)
+    scale = (blocks.abs().amax(-1) / 6.0 / scale2).to(torch.float8_e4m3fn)
+    denom = (scale.float() * scale2).clamp(min=1e-12).unsqueeze(-1)
+    q = blocks / denom
+    idx = (q.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    codes = (idx | ((q < 0).long() << 3)).to(torch.uint8).reshape(out_f, in_f)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.contiguous(), scale.contiguous(), scale2.reshape(()).to(torch.float32)
+
+
+def build_tiny_served(base_dir: Path, out: Path, exclude_modules: list[str] | None = None,
+                      chat_template: str | None = None) -> Path:
+    """Write a text-only NVFP4 ModelOpt-style checkpoint of a tiny base (either layout) to `out`.
+
+    Like the fleet's served checkpoint (e.g. an NVFP4 + MTP repackaging of Qwen3.6-27B): tensors
+    under `model.layers.N.` (text layout, vision tower dropped), decoder-layer linears as U8
+    `.weight` [out, in/2] + `.weight_scale` F8_E4M3 [out, in/16] + `.weight_scale_2` F32 +
+    `.input_scale` F32, everything else (embeddings, norms, lm_head, `mtp.*`) bf16, and
+    `hf_quant_config.json` + `quantization_config` in config.json. Tokenizer files are copied
+    from the base; `chat_template` replaces the served template (to test template drift).
+
+    Args:
+        exclude_modules: fnmatch patterns of linear modules kept in bf16 (written to
+            `exclude_modules`), default `["lm_head", "mtp*"]`.
+    Returns: `out` (replaced if it exists).
+    """
+    import fnmatch
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeline.checkpoint import TEXT_PREFIXES
+
+    base_dir, out = Path(base_dir), Path(out)
+    exclude = list(exclude_modules or ["lm_head", "mtp*"])
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(base_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                if "visual." in name:
+                    continue
+                key = name
+                for p in TEXT_PREFIXES:
+                    if name.startswith(p):
+                        key = "model." + name[len(p):]
+                        break
+                t = f.get_tensor(name)
+                stem = key[: -len(".weight")] if key.endswith(".weight") else None
+                if (stem and t.dim() == 2 and ".layers." in stem and stem.startswith("model.")
+                        and not any(fnmatch.fnmatch(stem, pat) for pat in exclude)):
+                    packed, scale, scale2 = quantize_nvfp4(t)
+                    tensors[key] = packed
+                    tensors[stem + ".weight_scale"] = scale
+                    tensors[stem + ".weight_scale_2"] = scale2
+                    tensors[stem + ".input_scale"] = torch.ones((), dtype=torch.float32)
+                else:
+                    tensors[key] = t.contiguous()
+    fname = "model.safetensors"
+    save_file(tensors, str(out / fname), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": {k: fname for k in sorted(tensors)}}, indent=2))
+    quant = {"producer": {"name": "modelopt", "version": "0.37.0"},
+             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+                              "exclude_modules": exclude}}
+    (out / "hf_quant_config.json").write_text(json.dumps(quant, indent=2))
+    base_cfg = json.loads((base_dir / "config.json").read_text())
+    cfg = dict(base_cfg.get("text_config") or base_cfg)
+    cfg.update({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "torch_dtype": "bfloat16",
+                "quantization_config": {"quant_method": "modelopt", **quant["quantization"]}})
+    cfg.setdefault("mtp_num_hidden_layers", 1 if any(k.startswith("mtp.") for k in tensors) else 0)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    for f in TOKENIZER_FILES:
+        if (base_dir / f).exists():
+            shutil.copy2(base_dir / f, out / f)
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template)
+        tc = out / "tokenizer_config.json"
+        if tc.exists():
+            d = json.loads(tc.read_text())
+            d.pop("chat_template", None)
+            tc.write_text(json.dumps(d, indent=2))
+    return out

@@ -39,9 +39,16 @@ PLUGIN = "pipeline.axolotl_plugin.PipelinePlugin"
 # Files copied from axolotl's output_dir into the adapter directory.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-# Per-GPU dense bf16 peak (TFLOP/s) by device-name substring, from vendor datasheets; override
-# with train.peak_tflops. MFU = 6 x base parameters x tokens/s / (peak x GPUs).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "RTX PRO 6000": 504.0}
+# Per-GPU dense bf16 peak (TFLOP/s, no sparsity) by device-name substring, from vendor datasheets;
+# the longest matching key wins ("H20" vs "H200"). Override with train.peak_tflops, e.g. with a
+# measured matmul rate: an H200 here ran 8192^3 bf16 products at 727-798 TFLOP/s, so MFU against
+# the datasheet reads ~0.78x MFU against the measured rate (benchmarks/RESULTS.md).
+# MFU = 6 x base parameters x tokens/s / (peak x GPUs).
+PEAK_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "GH200": 989.0, "H800": 989.0, "H20": 148.0,
+    "B200": 2250.0, "B300": 2250.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0,
+    "RTX PRO 6000": 504.0,
+}
 
 
 class TrainError(PipelineError):
@@ -149,6 +156,18 @@ def launcher_command(resolved_yml: Path, gpus: int = 1, launcher: str | None = N
     return cmd
 
 
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest complete `checkpoint-N` under axolotl's output_dir, or None.
+
+    Complete = has `trainer_state.json` (the Trainer writes it after the weights and optimizer).
+    """
+    cands = []
+    for p in Path(output_dir).glob("checkpoint-*"):
+        if p.is_dir() and (p / "trainer_state.json").exists() and p.name.split("-")[-1].isdigit():
+            cands.append((int(p.name.split("-")[-1]), p))
+    return max(cands)[1] if cands else None
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -161,45 +180,93 @@ def read_metrics(path: Path) -> list[dict]:
     return out
 
 
+def peak_for(gpu: str | None) -> float | None:
+    """Datasheet bf16 TFLOP/s for a CUDA device name (longest PEAK_TFLOPS key it contains), or None."""
+    keys = [k for k in PEAK_TFLOPS if gpu and k in gpu]
+    return PEAK_TFLOPS[max(keys, key=len)] if keys else None
+
+
 def summarise(records: list[dict], peak_tflops: float | None = None) -> dict:
-    """Final losses, tokens/s (tokens per second of training wall time) and MFU from metrics.jsonl."""
-    logs = [r for r in records if r.get("event") == "log"]
-    begin = next((r for r in records if r.get("event") == "begin"), {})
-    train = [r for r in logs if "loss" in r]
-    evals = [r for r in logs if "eval_loss" in r]
+    """Final losses, throughput and MFU from the records of metrics.jsonl.
+
+    Throughput counts training time only: the sum of gaps between consecutive training log
+    records, leaving out gaps that contain an evaluation and gaps across a restart (a new `begin`
+    record, e.g. after resuming: model loading is not training). Token counts are axolotl's
+    cumulative `tokens/total` and `tokens/trainable` (all ranks). Keys written when derivable:
+    train_loss, eval_loss, tokens_per_s, trainable_tokens_per_s, mfu (fraction of
+    `peak_tflops` x world_size, default: PEAK_TFLOPS for the GPU named in `begin`), peak_tflops,
+    peak_mem_gib (axolotl's `memory/max_allocated (GiB)`), train_runtime_s, steps.
+    """
     out: dict = {}
+    segment, seg_of = 0, []
+    for r in records:  # which training session (one per `begin`) each record belongs to
+        segment += r.get("event") == "begin"
+        seg_of.append(segment)
+    logs = [(s, r) for s, r in zip(seg_of, records, strict=True) if r.get("event") == "log"]
+    begins = [r for r in records if r.get("event") == "begin"]
+    begin = begins[-1] if begins else {}
+    train = [(s, r) for s, r in logs if "loss" in r]
+    evals = [r for _, r in logs if "eval_loss" in r]
     if train:
-        out["train_loss"] = train[-1]["loss"]
+        out["train_loss"] = train[-1][1]["loss"]
     if evals:
         out["eval_loss"] = evals[-1]["eval_loss"]
-    final = next((r for r in reversed(logs) if "train_runtime" in r), None)
-    with_tokens = [r for r in train if "tokens/total" in r]
-    if with_tokens and len(with_tokens) >= 2:
-        first, last = with_tokens[0], with_tokens[-1]
-        # exclude evaluation time: sum step-to-step gaps of training logs only
-        dt_s = sum(b["time"] - a["time"] for a, b in zip(with_tokens, with_tokens[1:]) if not any(
-            a["time"] < e["time"] < b["time"] for e in evals))
-        dtok = last["tokens/total"] - first["tokens/total"]
-        if dt_s > 0:
-            out["tokens_per_s"] = dtok / dt_s
-            if "tokens/trainable" in last:
-                out["trainable_tokens_per_s"] = (last["tokens/trainable"] - first["tokens/trainable"]) / dt_s
+    dt_s = dtok = dtrain = 0.0
+    has_trainable = True
+    tok = [(s, r) for s, r in train if "tokens/total" in r]
+    for (sa, a), (sb, b) in zip(tok, tok[1:], strict=False):
+        if sa != sb or any(a["time"] < e["time"] < b["time"] for e in evals):
+            continue
+        if b["tokens/total"] < a["tokens/total"]:  # counters reset: not a training gap
+            continue
+        dt_s += b["time"] - a["time"]
+        dtok += b["tokens/total"] - a["tokens/total"]
+        if "tokens/trainable" in a and "tokens/trainable" in b:
+            dtrain += b["tokens/trainable"] - a["tokens/trainable"]
+        else:
+            has_trainable = False
+    if dt_s > 0 and dtok > 0:
+        out["tokens_per_s"] = dtok / dt_s
+        if has_trainable:
+            out["trainable_tokens_per_s"] = dtrain / dt_s
+    final = next((r for _, r in reversed(logs) if "train_runtime" in r), None)
     if final:
         out["train_runtime_s"] = final["train_runtime"]
+    mem = [r["memory/max_allocated (GiB)"] for _, r in logs if "memory/max_allocated (GiB)" in r]
+    if mem:
+        out["peak_mem_gib"] = max(mem)
     world = begin.get("world_size") or 1
-    gpu = begin.get("gpu")
-    peak = peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if gpu and k in gpu), None)
+    peak = peak_tflops or peak_for(begin.get("gpu"))
+    if peak:
+        out["peak_tflops"] = peak
     if peak and begin.get("base_params") and out.get("tokens_per_s"):
         out["mfu"] = 6 * begin["base_params"] * out["tokens_per_s"] / (peak * 1e12 * world)
-    out["steps"] = max((r.get("step", 0) for r in logs), default=0)
+    out["steps"] = max((r.get("step", 0) for _, r in logs), default=0)
     return out
+
+
+def _die_with_parent() -> None:
+    """In the axolotl child (Linux): get SIGKILL when `pipeline` dies, so a killed job leaves no
+    orphaned trainer writing into the run directory (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def _progress_loop(proc: subprocess.Popen, metrics: Path, show: bool) -> None:
     if not show:
         proc.wait()
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -224,6 +291,7 @@ def train(
     config_path: Path,
     *,
     overrides: list[str] = (),
+    overlays: list[Path] = (),
     allow: set[str] = frozenset(),
     name: str | None = None,
     gpus: int = 1,
@@ -231,6 +299,7 @@ def train(
     launcher_args: list[str] = (),
     show_progress: bool = True,
     echo=print,
+    run_dir: Path | None = None,
 ) -> TrainResult:
     """Check, train with axolotl, and write `adapter/` + `manifest.json` in a new run directory.
 
@@ -240,13 +309,20 @@ def train(
             train.log; no adapter/manifest is written, so nothing downstream can pick it up).
     """
     t0 = time.time()
-    tc = load_training_config(Path(config_path), list(overrides))
+    tc = load_training_config(Path(config_path), list(overrides), list(overlays))
     ds_report = check_inputs(cfg, tc, set(allow))
     name = name or Path(config_path).stem
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    run_dir = cfg.train.runs_dir / f"{name}-{stamp}"
-    run_dir.mkdir(parents=True)
+    run_dir = Path(run_dir) if run_dir else cfg.train.runs_dir / f"{name}-{stamp}"
+    if (run_dir / "adapter" / MANIFEST).exists():
+        raise PipelineError(f"{run_dir} already holds a finished adapter; use another run directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
     resolved = resolve(tc, run_dir, cfg)
+    resume = latest_checkpoint(run_dir / "output")
+    if resume is not None:
+        # An interrupted run with the same inputs: axolotl/HF Trainer resume (optimizer, scheduler, RNG, step).
+        resolved["resume_from_checkpoint"] = str(resume)
+        echo(f"resuming from {resume}")
     resolved_yml = run_dir / "resolved.yml"
     resolved_tc = TrainingConfig(resolved_yml, resolved)
     resolved_yml.write_text(resolved_tc.dump())
@@ -256,9 +332,16 @@ def train(
 
     datasets = [{"name": Path(f.path).name, "path": str(Path(f.path).resolve()), "sha256": f.sha256,
                  "role": "training" if f.role == "train" else "validation"} for f in ds_report.files]
-    params = {"axolotl": {k: v for k, v in resolved.items() if k not in ("plugins", "mlflow_tracking_uri")},
+    params = {"axolotl": {k: v for k, v in resolved.items()
+                          if k not in ("plugins", "mlflow_tracking_uri", "resume_from_checkpoint")},
               "dataset_fingerprint": ds_report.fingerprint, "config_sha256": tc.sha256}
-    run_id = registry.start_training_run(cfg, f"{name}-{stamp}", params, datasets)
+    run_file = run_dir / "mlflow_run.json"
+    run_id = json.loads(run_file.read_text())["run_id"] if resume is not None and run_file.exists() else None
+    if run_id is None:
+        run_id = registry.start_training_run(cfg, run_dir.name, params, datasets)
+        write_json_atomic(run_file, {"run_id": run_id})
+    else:
+        registry.reopen_training_run(cfg, run_id)
 
     metrics_file = run_dir / "metrics.jsonl"
     cmd = launcher_command(resolved_yml, gpus, launcher, launcher_args)
@@ -266,7 +349,7 @@ def train(
     env = train_env({"PIPELINE_METRICS_FILE": str(metrics_file), "MLFLOW_RUN_ID": run_id,
                      "MLFLOW_TRACKING_URI": cfg.tracking_uri})
     with open(run_dir / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         try:
             _progress_loop(proc, metrics_file, show_progress)
         except BaseException:

@@ -59,12 +59,7 @@ def parse_override(item: str) -> tuple[str, object]:
     return key.strip(), yaml.safe_load(raw) if raw else None
 
 
-def load_training_config(path: Path, overrides: list[str] = ()) -> TrainingConfig:
-    """Load an axolotl YAML and apply overrides.
-
-    Raises:
-        UsageError: file missing, not YAML, or not a mapping (message names the file and line).
-    """
+def _read_yaml(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: axolotl config not found")
@@ -76,6 +71,27 @@ def load_training_config(path: Path, overrides: list[str] = ()) -> TrainingConfi
         raise UsageError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from e
     if not isinstance(data, dict):
         raise UsageError(f"{path}: top level must be a mapping")
+    return data
+
+
+def _merge(base: dict, overlay: dict) -> dict:
+    """Deep-merge mappings (overlay wins; lists are replaced, not appended)."""
+    out = dict(base)
+    for k, v in overlay.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_training_config(path: Path, overrides: list[str] = (), overlays: list[Path] = ()) -> TrainingConfig:
+    """Load an axolotl YAML, deep-merge overlay files (e.g. `axolotl_configs/fsdp2.yml`), apply overrides.
+
+    Raises:
+        UsageError: a file missing, not YAML, or not a mapping (message names the file and line).
+    """
+    path = Path(path)
+    data = _read_yaml(path)
+    for ov in overlays:
+        data = _merge(data, _read_yaml(ov))
     for item in overrides:
         key, value = parse_override(item)
         node = data

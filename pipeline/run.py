@@ -1,0 +1,167 @@
+"""`pipeline run`: the unattended retraining job a scheduler calls (cron, systemd, CronJob, Slurm).
+
+Safe to start twice (per-adapter lock: the second exits at once with code 3), safe to kill
+(the training directory is keyed by the input fingerprint, so the next run resumes from the
+last checkpoint through axolotl's resume support), skips work that changes nothing (same
+fingerprint as the latest registered version: status `skipped`), and ships only what passes
+the gates (validation passed; eval loss not worse than production's by more than
+`run.eval_loss_margin`).
+
+Fingerprint: sha256 of {dataset fingerprint, config sha256 after overrides, base revision or
+local base fingerprint}: the inputs that determine the adapter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import ProjectConfig
+from pipeline.errors import GateFailed, LockedError
+from pipeline.manifest import MANIFEST, read_manifest
+
+FINGERPRINT_TAG = "run.fingerprint"
+
+
+@dataclass
+class RunOutcome:
+    status: str  # skipped | published | gated | failed
+    name: str
+    fingerprint: str
+    run_id: str | None = None
+    version: int | None = None
+    published: str | None = None
+    reason: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in vars(self).items()}, sort_keys=True)
+
+
+def fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str:
+    """Hex sha256 of the inputs that determine the adapter."""
+    payload = json.dumps({"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _latest_fingerprint(cfg: ProjectConfig, name: str) -> str | None:
+    from pipeline import registry
+
+    try:
+        vs = registry.versions(cfg, name)
+    except Exception:  # no such model yet
+        return None
+    return (vs[0].tags or {}).get(FINGERPRINT_TAG) if vs else None
+
+
+def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float | None) -> str | None:
+    """Why the candidate must not ship, or None when it may."""
+    from pipeline import registry
+
+    if report_verdict != "pass":
+        return f"validation verdict {report_verdict!r}"
+    prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
+    if prod is None:
+        return None
+    mv = registry.resolve_version(cfg, name, version=prod)
+    prod_loss = (mv.tags or {}).get("eval_loss")
+    if prod_loss is None or eval_loss is None:
+        return None if prod_loss is None else "candidate has no eval_loss to compare with production"
+    margin = cfg.run.eval_loss_margin
+    if eval_loss > float(prod_loss) + margin:
+        return f"eval_loss {eval_loss:.4f} is worse than production v{prod}'s {float(prod_loss):.4f} by more than {margin}"
+    return None
+
+
+def run(
+    cfg: ProjectConfig,
+    config_path: Path,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    overrides: list[str] = (),
+    overlays: list[Path] = (),
+    allow: set[str] = frozenset(),
+    echo=print,
+    show_progress: bool = False,
+) -> RunOutcome:
+    """Fingerprint, lock, train (or resume), validate, register, gate, publish.
+
+    Raises:
+        LockedError (exit 3): another run for this adapter holds the lock.
+        GateFailed (exit 5): the candidate was registered (alias `candidate`) but not shipped.
+        CheckFailed / UsageError / TrainError: bad inputs or training failure (nothing registered).
+    """
+    from filelock import FileLock, Timeout
+
+    from pipeline import registry
+    from pipeline.publish import publish
+    from pipeline.train import base_fingerprint, check_inputs, train
+    from pipeline.training_config import load_training_config
+    from pipeline.validate import validate_with_config
+
+    t0 = time.time()
+    seconds: dict[str, float] = {}
+    tc = load_training_config(Path(config_path), list(overrides), list(overlays))
+    name = name or Path(config_path).stem
+    ds = check_inputs(cfg, tc, set(allow))
+    base = str(tc.data.get("base_model"))
+    fp = fingerprint(ds.fingerprint, tc.sha256,
+                     {"id": base, "revision": tc.data.get("base_model_revision"), "fingerprint": base_fingerprint(base)})
+    seconds["check"] = time.time() - t0
+    out = RunOutcome("failed", name, fp, seconds=seconds)
+    if not force and _latest_fingerprint(cfg, name) == fp:
+        out.status, out.reason = "skipped", "inputs unchanged since the latest registered version"
+        return out
+
+    lock_dir = cfg.state_dir / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_dir / f"{name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise LockedError(f"another `pipeline run` for {name!r} holds {lock.lock_file}; exiting") from None
+    try:
+        # Re-check under the lock: a concurrent run may have just registered these inputs.
+        if not force and _latest_fingerprint(cfg, name) == fp:
+            out.status, out.reason = "skipped", "inputs unchanged since the latest registered version"
+            return out
+        run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
+        t = time.time()
+        if (run_dir / "adapter" / MANIFEST).exists() and not force:
+            adapter_dir = run_dir / "adapter"  # trained before a crash in a later stage
+            echo(f"reusing finished training in {run_dir}")
+        else:
+            if force and (run_dir / "adapter").exists():
+                run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}-{int(time.time())}"
+            adapter_dir = train(cfg, config_path, overrides=list(overrides), overlays=list(overlays), allow=set(allow), name=name,
+                                echo=echo, show_progress=show_progress, run_dir=run_dir).adapter_dir
+        seconds["train"] = time.time() - t
+        manifest = read_manifest(adapter_dir)
+        out.run_id = manifest.get("mlflow_run_id")
+
+        t = time.time()
+        report = validate_with_config(cfg, adapter_dir)
+        seconds["validate"] = time.time() - t
+
+        t = time.time()
+        reg = registry.register_adapter(cfg, adapter_dir, name, report.to_dict())
+        registry.set_version_tags(cfg, name, reg.version, {FINGERPRINT_TAG: fp})
+        out.version = reg.version
+        seconds["register"] = time.time() - t
+
+        why = _gate(cfg, name, report.verdict, manifest.get("metrics", {}).get("eval_loss"))
+        if why:
+            out.status, out.reason = "gated", why
+            raise GateFailed(f"{name} v{reg.version} stays `candidate`: {why}", outcome=out)
+        t = time.time()
+        pub = publish(cfg, name, version=reg.version)
+        seconds["publish"] = time.time() - t
+        out.status, out.published = "published", str(pub.path)
+        return out
+    finally:
+        seconds["total"] = time.time() - t0
+        lock.release()

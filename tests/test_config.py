@@ -1,0 +1,48 @@
+"""Project config: file, env overrides, clear errors."""
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+
+
+def test_defaults_and_relative_paths(tmp_path):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("state_dir: st\nvolume: {path: vol}\nfleet: {max_lora_rank: 32}\n")
+    cfg = load_config(p)
+    assert cfg.state_dir == tmp_path / "st"
+    assert cfg.volume.path == tmp_path / "vol"
+    assert cfg.fleet.max_lora_rank == 32
+    assert cfg.tracking_uri == f"sqlite:///{tmp_path / 'st' / 'mlflow.db'}"
+
+
+def test_env_overrides_file(tmp_path, monkeypatch):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("fleet: {max_lora_rank: 32}\nregistry: {tracking_uri: 'sqlite:///x.db'}\n")
+    monkeypatch.setenv("PIPELINE_FLEET__MAX_LORA_RANK", "64")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    cfg = load_config(p)
+    assert cfg.fleet.max_lora_rank == 64
+    assert cfg.tracking_uri == "http://127.0.0.1:5999"
+
+
+def test_invalid_rank_names_file_and_field(tmp_path):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("fleet: {max_lora_rank: 24}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and "fleet.max_lora_rank" in str(e.value) and "24" in str(e.value)
+
+
+def test_unknown_key_and_bad_yaml(tmp_path):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("fleet: {max_lora_rnk: 16}\n")
+    with pytest.raises(ConfigError, match="max_lora_rnk"):
+        load_config(p)
+    p.write_text("fleet: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_missing_explicit_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,276 @@
+"""`pipeline merge`: streamed LoRA merge on the tiny bases, parity with peft, failure modes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.manifest import verify_files
+from pipeline.merge import INDEX, MergeMismatch, merge_adapter, raw_header
+from tests.helpers import REPO, peft_adapter
+
+runner = CliRunner()
+
+
+def tensor_bytes(ckpt: Path) -> dict[str, bytes]:
+    """{tensor name: raw data bytes} over every safetensors file of a checkpoint."""
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        start, header = raw_header(f)
+        data = f.read_bytes()
+        for name, info in header.items():
+            if name != "__metadata__":
+                s, e = info["data_offsets"]
+                out[name] = data[start + s : start + e]
+    return out
+
+
+def rekey_adapter(src: Path, dst: Path, rename) -> Path:
+    """Copy an adapter directory with its tensor keys passed through `rename`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    save_file({rename(k): v for k, v in tensors.items()}, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def to_vl(key: str) -> str:
+    return key.replace("base_model.model.model.layers", "base_model.model.model.language_model.layers")
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_base, tmp_path_factory) -> Path:
+    return peft_adapter(tiny_base, tmp_path_factory.mktemp("ad") / "plain", r=8, alpha=16)
+
+
+@pytest.fixture(scope="module")
+def pattern_adapter(tiny_base, tmp_path_factory) -> Path:
+    """rsLoRA with rank/alpha patterns, lm_head and a (non-zero) embedding LoRA."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = peft_adapter(
+        tiny_base,
+        tmp_path_factory.mktemp("ad") / "pattern",
+        r=8,
+        alpha=16,
+        seed=1,
+        targets=["q_proj", "v_proj", "down_proj", "in_proj_qkv", "out_proj", "lm_head", "embed_tokens"],
+        rank_pattern={"down_proj": 4, "layers.3.self_attn.q_proj": 16},
+        alpha_pattern={"v_proj": 64},
+        use_rslora=True,
+    )
+    w = out / "adapter_model.safetensors"
+    tensors = load_file(str(w))
+    g = torch.Generator().manual_seed(3)
+    for k, v in tensors.items():  # peft initialises lora_embedding_A to zeros: make the delta non-zero
+        if "lora_embedding_A" in k:
+            tensors[k] = torch.randn(v.shape, generator=g, dtype=v.dtype) * 0.5
+    save_file(tensors, str(w), metadata={"format": "pt"})
+    return out
+
+
+def test_cli_merge_parity_and_registry_tags(tiny_base, pattern_adapter, project, tmp_path):
+    """rsLoRA + rank/alpha patterns + lm_head + embeddings: merged model == peft (logits, greedy), tagged in MLflow."""
+    from mlflow import MlflowClient
+
+    from pipeline.registry import _mlflow
+
+    _mlflow(project)
+    client = MlflowClient()
+    client.create_registered_model("agent-tools")
+    mv = client.create_model_version("agent-tools", source=str(pattern_adapter))
+
+    out = tmp_path / "merged"
+    res = runner.invoke(
+        app,
+        [
+            "merge",
+            str(pattern_adapter),
+            "--base",
+            str(tiny_base),
+            "--out",
+            str(out),
+            "--name",
+            "agent-tools",
+            "--version",
+            str(mv.version),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "parity pass" in res.output
+    man = json.loads((out / "manifest.json").read_text())
+    n_pairs = (
+        2 + 3 * 2 + 4 + 2
+    )  # q,v in full layer 3; in_proj_qkv,out_proj in 3 linear; down x4; lm_head, embed
+    assert man["merge"]["lora_pairs"] == man["merge"]["merged_modules"] == n_pairs
+    p = man["parity"]
+    assert p["verdict"] == "pass" and p["greedy_equal"]
+    assert p["max_abs_diff"] <= p["tolerance"] < p["adapter_effect"] / 10
+    assert verify_files(out, man["files"]) == []  # sha256 computed while writing == the files on disk
+    tags = client.get_model_version("agent-tools", mv.version).tags
+    assert tags["merge.parity"] == "pass" and tags["merge.merged_modules"] == str(n_pairs)
+
+
+def test_merged_weights_equal_peft_merge(tiny_base, pattern_adapter, tmp_path):
+    """Per module, the streamed merge equals peft's own merge_and_unload (fp32) rounded once to bf16."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    res = merge_adapter(pattern_adapter, tiny_base, tmp_path / "m")
+    ours = load_file(str(tmp_path / "m" / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_base), dtype=torch.float32)
+    ref = PeftModel.from_pretrained(model, str(pattern_adapter)).merge_and_unload().state_dict()
+    assert len(res.merged) == res.manifest["merge"]["lora_pairs"]
+    scales = res.manifest["merge"]["scales"]
+    # rsLoRA alpha/sqrt(r): 16/sqrt(8) default, v_proj 64/sqrt(8), down_proj 16/sqrt(4), layer 3 q_proj 16/sqrt(16)
+    assert scales == {"5.65685": 8, "22.6274": 1, "8": 4, "4": 1}
+    for name in res.merged:
+        want, got = ref[name], ours[name]
+        assert got.dtype == torch.bfloat16
+        # one bf16 rounding (unit roundoff 2^-8) of values whose fp32 sums may differ in the last bits
+        assert torch.allclose(got.float(), want, rtol=2**-8, atol=1e-5 * want.abs().max().item()), name
+        assert (got == want.to(torch.bfloat16)).float().mean() > 0.99, name
+
+
+def test_vl_layout_byte_identity_and_equal_to_text_merge(tiny_base, tiny_vl_base, adapter, tmp_path):
+    """VL layout (3 shards, mtp.*, visual): copies byte-identical, merged weights == text merge, both adapter layouts."""
+    vl_adapter = rekey_adapter(adapter, tmp_path / "ad-vl", to_vl)
+    text = merge_adapter(adapter, tiny_base, tmp_path / "text")
+    vl = merge_adapter(vl_adapter, tiny_vl_base, tmp_path / "vl", progress=True)
+    cross = merge_adapter(
+        adapter, tiny_vl_base, tmp_path / "cross"
+    )  # text-layout keys onto the VL checkpoint
+
+    base_t, text_t, vl_t = (
+        tensor_bytes(tiny_vl_base),
+        tensor_bytes(tmp_path / "text"),
+        tensor_bytes(tmp_path / "vl"),
+    )
+    assert vl.manifest["merge"]["merged_modules"] == vl.manifest["merge"]["lora_pairs"] == 25
+    assert set(vl_t) == set(base_t)
+    assert any(n.startswith("mtp.") for n in base_t) and any(n.startswith("model.visual.") for n in base_t)
+    for name, data in base_t.items():
+        if name in vl.merged:
+            assert data != vl_t[name], name
+            assert vl_t[name] == text_t[name.replace("model.language_model.", "model.", 1)], name
+        else:
+            assert vl_t[name] == data, name
+    assert tensor_bytes(tmp_path / "cross") == vl_t and cross.merged == vl.merged
+    idx_base = json.loads((tiny_vl_base / INDEX).read_text())
+    idx_out = json.loads((tmp_path / "vl" / INDEX).read_text())
+    assert idx_out["weight_map"] == idx_base["weight_map"]
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "vl" / f).read_bytes() == (tiny_vl_base / f).read_bytes()
+    assert "parity" not in text.manifest  # the library call without a gate records none
+    assert verify_files(tmp_path / "vl", vl.manifest["files"]) == []
+
+
+def test_unmatched_keys_fail_and_leave_nothing(tiny_base, adapter, tmp_path):
+    """Keys for layers the base lacks: exit 1 listing them; no output and no partial directory."""
+    bad = rekey_adapter(adapter, tmp_path / "bad", lambda k: k.replace("layers.3.", "layers.7."))
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["merge", str(bad), "--base", str(tiny_base), "--out", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "18 of 25 LoRA pairs match" in res.output
+    assert "layers.7.self_attn.q_proj.lora_A.weight" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+@pytest.mark.parametrize("case", ["out-exists", "dora", "missing-base", "bad-dtype"])
+def test_bad_input_exit_2(tiny_base, adapter, tmp_path, case):
+    ad, base, out, extra = adapter, tiny_base, tmp_path / "out", []
+    if case == "out-exists":
+        out.mkdir()
+    elif case == "dora":
+        ad = shutil.copytree(adapter, tmp_path / "dora")
+        cfg = json.loads((ad / "adapter_config.json").read_text())
+        (ad / "adapter_config.json").write_text(json.dumps(cfg | {"use_dora": True}))
+    elif case == "missing-base":
+        base = tmp_path / "nope"
+    else:
+        extra = ["--dtype", "int8"]
+    res = runner.invoke(
+        app, ["merge", str(ad), "--base", str(base), "--out", str(out), "--parity", "off", *extra]
+    )
+    assert res.exit_code == 2, res.output
+    assert not list(tmp_path.glob("out.partial-*"))
+
+
+def test_crash_mid_merge_leaves_no_complete_looking_dir(tiny_vl_base, adapter, tmp_path):
+    """A process killed while writing shard 2 leaves only `<out>.partial-*` without a manifest."""
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, pipeline.merge as m
+        real, n = m._write_shard, []
+        def dying(*a, **k):
+            n.append(1)
+            if len(n) == 2:
+                os._exit(137)  # like SIGKILL: no cleanup runs
+            return real(*a, **k)
+        m._write_shard = dying
+        m.merge_adapter({str(adapter)!r}, {str(tiny_vl_base)!r}, {str(out)!r})
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    assert not out.exists()
+    partial = list(tmp_path.glob("out.partial-*"))
+    assert len(partial) == 1 and not (partial[0] / "manifest.json").exists()
+
+
+def test_exception_mid_merge_cleans_up(tiny_vl_base, adapter, tmp_path, monkeypatch):
+    import pipeline.merge as m
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(m, "_write_merged", boom)
+    with pytest.raises(OSError, match="disk full"):
+        merge_adapter(adapter, tiny_vl_base, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parity_gate_catches_a_wrong_merge(tiny_base, adapter, tmp_path):
+    """Negative control: the base itself posing as the merge fails the gate by a wide margin."""
+    from pipeline.merge_parity import check_parity
+
+    v = check_parity(
+        tiny_base, adapter, tiny_base, prompts=["Call the get_weather tool."], max_new_tokens=2, threads=1
+    )
+    assert v["verdict"] == "fail"
+    assert v["max_abs_diff"] > 10 * v["tolerance"]
+    assert "logit difference" in v["reasons"][0]
+
+
+def test_mismatch_is_a_check_failure():
+    assert MergeMismatch.exit_code == 1
+
+
+def test_saved_embedding_copy_that_differs_from_base_is_refused(tiny_base, pattern_adapter, tmp_path):
+    """peft saves embed_tokens/lm_head next to embedding LoRAs; a copy that differs (resized vocab) is not merged."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bad = rekey_adapter(pattern_adapter, tmp_path / "bad", lambda k: k)
+    w = bad / "adapter_model.safetensors"
+    t = load_file(str(w))
+    key = next(k for k in t if k.endswith("embed_tokens.base_layer.weight"))
+    t[key] = t[key] + torch.ones_like(t[key])
+    save_file(t, str(w))
+    res = runner.invoke(app, ["merge", str(bad), "--base", str(tiny_base), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    assert "carries its own embed_tokens weights" in res.output
+    assert not (tmp_path / "out").exists()
