@@ -246,6 +246,8 @@ def publish(
     res = do_publish(project_config(), name, version, alias)
     what = "published" if res.created else "already published (no-op)"
     typer.echo(f"{what}: {res.name} v{res.version} -> {res.path}")
+    if res.instances:
+        typer.echo(f"serving on: {', '.join(res.instances)}")
 
 
 # -- demo -------------------------------------------------------------------------------------------------

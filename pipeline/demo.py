@@ -67,7 +67,6 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     for k, v in times.items():
         table.add_row(f"seconds: {k}", f"{v:.1f}")
     Console().print(table)
-    echo(f"MLflow UI: mlflow server --backend-store-uri {cfg.tracking_uri} "
-         f"--artifacts-destination {cfg.artifact_root} --host 127.0.0.1 --port 5000 --workers 1\n"
-         f"then open http://127.0.0.1:5000/#/models/{name}")
+    echo(f"MLflow UI: `.venv/bin/pipeline ui --name {name}` (serves this store on 127.0.0.1 and prints the "
+         f"model page URL); `.venv/bin/pipeline status {name}` for the same facts in the terminal")
     return {**rows, "seconds": times, "version": reg.version}

@@ -408,10 +408,15 @@ def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> tuple[int,
             raise UsageError(f"{d} differs from its manifest:\n  " + "\n  ".join(problems))
         state.set(name, target)
         save_state(cfg.volume.path, state)
-        registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, target)
-        if cur != target:
-            registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, cur)
-        return cur, target, (sync_locked(cfg) if cfg.fleet.instances else [])
+        reports = sync_locked(cfg) if cfg.fleet.instances else []
+        # The alias follows the desired state even if an instance is down (sync converges it later);
+        # the rollback event records which instances confirmed.
+        confirmed = [r.instance for r in reports if r.ok]
+        if registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION) not in (None, target):
+            registry.rollback_aliases(cfg, name, target, instances=confirmed)
+        else:
+            registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, target)
+        return cur, target, reports
 
 
 def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list[Path]:

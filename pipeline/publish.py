@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ProjectConfig
@@ -43,6 +43,7 @@ class Published:
     path: Path
     created: bool  # False: the version was already on the volume (no-op)
     previous_production: int | None = None
+    instances: list[str] = field(default_factory=list)  # fleet instances that confirmed
 
 
 def version_dir(volume: Path, name: str, version: int) -> Path:
@@ -175,17 +176,15 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
     volume = cfg.volume.path
     volume.mkdir(parents=True, exist_ok=True)
     path, created = materialise(cfg, mv, volume)
+    instances: list[str] = []
     if cfg.fleet.instances:  # every instance serves it (or all are restored) before any alias moves
         from pipeline.fleet_rollout import rollout
 
-        rollout(cfg, name, int(mv.version), path)
+        instances = [r.instance for r in rollout(cfg, name, int(mv.version), path) if r.ok]
     prev = registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, int(mv.version))
     if prev is not None and prev != int(mv.version):
         registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, prev)
-    registry.set_version_tags(
-        cfg, name, int(mv.version),
-        {"published.path": str(path), "published.time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
-    )
+    # also sets the summary tags published.path / published.time / published.instances
     registry.record_event(cfg, name, int(mv.version), {"type": "publish", "path": str(path), "created": created,
-                                                       "from_version": prev})
-    return Published(name, int(mv.version), path, created, prev)
+                                                       "from_version": prev, "instances": instances})
+    return Published(name, int(mv.version), path, created, prev, instances)

@@ -70,6 +70,9 @@ def train_env(extra: dict | None = None) -> dict:
     env.update({"AXOLOTL_DO_NOT_TRACK": "1", "WANDB_MODE": "disabled", "HF_HUB_DISABLE_TELEMETRY": "1",
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # axolotl's launchers run `accelerate` / `torchrun` by name: find ours even when the venv
+    # is not activated (e.g. `.venv/bin/pipeline train ...` from cron).
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(extra or {})
     return env
 

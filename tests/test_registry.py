@@ -352,3 +352,26 @@ def test_status_survives_an_unreachable_fleet(registry_project, two_adapters, ti
     render(data, con)
     out = con.export_text()
     assert name in out and "i0" in out
+
+
+def test_fleet_sync_follow_alias_cli_ships_the_moved_alias(registry_project, two_adapters, tiny_base):
+    """`pipeline fleet sync --follow-alias production` (one pass, as a CronJob step) publishes the
+    version an operator moved the alias to in the MLflow UI."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.publish import publish
+
+    cfg = registry_project
+    name = _names("cli-follow")
+    register(cfg, two_adapters[0], tiny_base, name)
+    register(cfg, two_adapters[1], tiny_base, name)
+    publish(cfg, name, version=1)
+    _client(cfg).set_registered_model_alias(name, "production", "2")
+    r = subprocess.run([sys.executable, "-m", "pipeline", "fleet", "sync", "--follow-alias", "production"],
+                       capture_output=True, text=True, env=dict(os.environ, PIPELINE_CONFIG=str(cfg.source)),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (cfg.volume.path / f"{name}-v2" / "manifest.json").exists()
+    assert registry.aliases(cfg, name)["previous"] == 1
