@@ -38,8 +38,16 @@ class MetricsFileCallback(TrainerCallback):
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-        self._write(state, {"event": "begin", "max_steps": state.max_steps, "base_params": self.params,
-                            "world_size": world, "gpu": gpu})
+        self._write(
+            state,
+            {
+                "event": "begin",
+                "max_steps": state.max_steps,
+                "base_params": self.params,
+                "world_size": world,
+                "gpu": gpu,
+            },
+        )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         rec = {"event": "log", "step": state.global_step, "max_steps": state.max_steps, "epoch": state.epoch}

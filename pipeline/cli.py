@@ -69,7 +69,8 @@ def project_config():
 @app.callback()
 def main(
     config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="pipeline.yaml (default: $PIPELINE_CONFIG or ./pipeline.yaml)")
+        Path | None,
+        typer.Option("--config", "-c", help="pipeline.yaml (default: $PIPELINE_CONFIG or ./pipeline.yaml)"),
     ] = None,
 ):
     _state["config"] = config
@@ -97,7 +98,9 @@ def config_show(as_json: Annotated[bool, typer.Option("--json", help="machine-re
 @handle_errors
 def dev_tiny_base(
     out: Annotated[Path, typer.Argument(help="directory to write (replaced)")],
-    layout: Annotated[str, typer.Option(help="text (Qwen3_5ForCausalLM) or vl (real checkpoint layout + mtp.*)")] = "text",
+    layout: Annotated[
+        str, typer.Option(help="text (Qwen3_5ForCausalLM) or vl (real checkpoint layout + mtp.*)")
+    ] = "text",
     seed: int = 0,
 ):
     """Build a tiny random-weight Qwen3.5 base with a local tokenizer and chat template."""
@@ -132,7 +135,9 @@ def dataset_check(
         for f in rep.findings:
             typer.echo(str(f))
         for s in rep.files:
-            typer.echo(f"{s.path}: {s.conversations} conversations, sha256 {s.sha256[:16]}, too long {s.too_long}")
+            typer.echo(
+                f"{s.path}: {s.conversations} conversations, sha256 {s.sha256[:16]}, too long {s.too_long}"
+            )
         typer.echo(f"fingerprint {rep.fingerprint}  {'OK' if rep.ok else 'FAILED'}")
     raise typer.Exit(0 if rep.ok else 1)
 
@@ -143,20 +148,35 @@ def dataset_check(
 def train(
     ctx: typer.Context,
     config: Annotated[Path, typer.Argument(help="axolotl YAML (axolotl_configs/...)")],
-    set_: Annotated[list[str], typer.Option("--set", help="override a config key: key=value (YAML value)")] = [],
-    overlay: Annotated[list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")] = [],
+    set_: Annotated[
+        list[str], typer.Option("--set", help="override a config key: key=value (YAML value)")
+    ] = [],
+    overlay: Annotated[
+        list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
+    ] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
     name: Annotated[str | None, typer.Option(help="adapter name (default: config file stem)")] = None,
     gpus: Annotated[int, typer.Option(help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
-    launcher: Annotated[str | None, typer.Option(help="python | accelerate | torchrun (axolotl's launchers)")] = None,
+    launcher: Annotated[
+        str | None, typer.Option(help="python | accelerate | torchrun (axolotl's launchers)")
+    ] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ):
     """Train a LoRA with axolotl; leaves <run>/adapter/ with manifest.json. Args after `--` go to the launcher."""
     from pipeline.train import train as run_train
 
     res = run_train(
-        project_config(), config, overrides=set_, overlays=overlay, allow=set(allow), name=name, gpus=gpus, launcher=launcher,
-        launcher_args=list(ctx.args), show_progress=progress and sys.stderr.isatty(), echo=typer.echo,
+        project_config(),
+        config,
+        overrides=set_,
+        overlays=overlay,
+        allow=set(allow),
+        name=name,
+        gpus=gpus,
+        launcher=launcher,
+        launcher_args=list(ctx.args),
+        show_progress=progress and sys.stderr.isatty(),
+        echo=typer.echo,
     )
     m = res.manifest["metrics"]
     typer.echo(
@@ -186,15 +206,30 @@ def render_report(rep) -> None:
 @handle_errors
 def validate(
     adapter: Annotated[Path, typer.Argument(help="adapter directory")],
-    base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir (headers only are read)")] = None,
-    served: Annotated[Path | None, typer.Option(help="served checkpoint dir, e.g. NVFP4 (default: served.path)")] = None,
+    base: Annotated[
+        Path | None, typer.Option(help="bf16 base checkpoint dir (headers only are read)")
+    ] = None,
+    served: Annotated[
+        Path | None, typer.Option(help="served checkpoint dir, e.g. NVFP4 (default: served.path)")
+    ] = None,
     training_config: Annotated[
         Path | None, typer.Option(help="resolved axolotl config of the run (default: from manifest.json)")
     ] = None,
-    behaviour: Annotated[bool, typer.Option("--behaviour", help="also compare eval loss and canary outputs "
-                                            "(loads the model: CPU for tiny models)")] = False,
-    fold_rslora: Annotated[bool, typer.Option("--fold-rslora", help="rewrite an rsLoRA adapter's lora_alpha to the "
-                                              "plain-LoRA equivalent (in place, parity-checked) before validating")] = False,
+    behaviour: Annotated[
+        bool,
+        typer.Option(
+            "--behaviour",
+            help="also compare eval loss and canary outputs (loads the model: CPU for tiny models)",
+        ),
+    ] = False,
+    fold_rslora: Annotated[
+        bool,
+        typer.Option(
+            "--fold-rslora",
+            help="rewrite an rsLoRA adapter's lora_alpha to the "
+            "plain-LoRA equivalent (in place, parity-checked) before validating",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ):
     """Check an adapter against the base, the served checkpoint and the fleet. Exit 0 pass, 1 fail, 2 usage."""
@@ -204,8 +239,15 @@ def validate(
     cfg = project_config()
     if (base or default_base(cfg, adapter)) is None:
         raise UsageError("no base checkpoint: pass --base DIR or set base.path in pipeline.yaml")
-    rep = validate_with_config(cfg, adapter, base, served_dir=served, training_config=training_config,
-                               behaviour=behaviour, fold_rslora=fold_rslora)
+    rep = validate_with_config(
+        cfg,
+        adapter,
+        base,
+        served_dir=served,
+        training_config=training_config,
+        behaviour=behaviour,
+        fold_rslora=fold_rslora,
+    )
     if as_json:
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -217,7 +259,9 @@ def validate(
 @app.command()
 @handle_errors
 def register(
-    adapter: Annotated[Path, typer.Argument(help="adapter directory from `pipeline train` (with manifest.json)")],
+    adapter: Annotated[
+        Path, typer.Argument(help="adapter directory from `pipeline train` (with manifest.json)")
+    ],
     name: Annotated[str, typer.Option(help="registered model name (the fleet's stable adapter name)")],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
 ):
@@ -228,8 +272,10 @@ def register(
     cfg = project_config()
     rep = validate_with_config(cfg, adapter, base)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
-    typer.echo(f"registered {reg.name} version {reg.version} (alias candidate), validation {rep.verdict}, "
-               f"model {reg.model_id}, run {reg.run_id}")
+    typer.echo(
+        f"registered {reg.name} version {reg.version} (alias candidate), validation {rep.verdict}, "
+        f"model {reg.model_id}, run {reg.run_id}"
+    )
 
 
 # -- publish ----------------------------------------------------------------------------------------------
@@ -248,6 +294,8 @@ def publish(
     typer.echo(f"{what}: {res.name} v{res.version} -> {res.path}")
     if res.instances:
         typer.echo(f"serving on: {', '.join(res.instances)}")
+    for w in res.warnings:
+        typer.echo(f"warning: {w}", err=True)
 
 
 # -- demo -------------------------------------------------------------------------------------------------

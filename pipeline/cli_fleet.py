@@ -74,9 +74,13 @@ def sync(
     watch: Annotated[bool, typer.Option("--watch", help="keep reconciling (sidecar / daemon)")] = False,
     interval: Annotated[float, typer.Option("--interval", help="seconds between passes with --watch")] = 30.0,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable reports")] = False,
-    follow_alias: Annotated[str | None, typer.Option(
-        "--follow-alias", help="also poll the MLflow registry and publish when this alias moves (e.g. production)"
-    )] = None,
+    follow_alias: Annotated[
+        str | None,
+        typer.Option(
+            "--follow-alias",
+            help="also poll the MLflow registry and publish when this alias moves (e.g. production)",
+        ),
+    ] = None,
 ):
     """Make every instance serve the desired versions (idempotent). Exit 0 converged, 4 not.
 
@@ -93,9 +97,14 @@ def sync(
             from pipeline.follow import follow_alias as follow
 
             cfg = project_config()
-            published = follow(cfg, follow_alias, interval, once=not watch,
-                               on_poll=(lambda: _print_reports(fleet_sync(cfg), as_json)) if cfg.fleet.instances else None,
-                               echo=lambda m: typer.echo(m, err=True))
+            published = follow(
+                cfg,
+                follow_alias,
+                interval,
+                once=not watch,
+                on_poll=(lambda: _print_reports(fleet_sync(cfg), as_json)) if cfg.fleet.instances else None,
+                echo=lambda m: typer.echo(m, err=True),
+            )
             if not watch:
                 typer.echo(f"published {len(published)} version(s) following alias {follow_alias!r}")
             return

@@ -20,7 +20,9 @@ def run_cmd(
     name: Annotated[str | None, typer.Option(help="adapter name (default: config stem)")] = None,
     force: Annotated[bool, typer.Option(help="train even if the inputs are unchanged")] = False,
     set_: Annotated[list[str], typer.Option("--set", help="override a config key: key=value")] = [],
-    overlay: Annotated[list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")] = [],
+    overlay: Annotated[
+        list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
+    ] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
 ):
     """Retrain if inputs changed, validate, register, gate, publish. Last line: one JSON object.
@@ -36,8 +38,17 @@ def run_cmd(
     from pipeline.run import run
 
     try:
-        out = run(project_config(), config, name=name, force=force, overrides=set_, overlays=overlay, allow=set(allow),
-                  echo=lambda m: typer.echo(m, err=True), show_progress=sys.stderr.isatty())
+        out = run(
+            project_config(),
+            config,
+            name=name,
+            force=force,
+            overrides=set_,
+            overlays=overlay,
+            allow=set(allow),
+            echo=lambda m: typer.echo(m, err=True),
+            show_progress=sys.stderr.isatty(),
+        )
     except GateFailed as e:
         _err(str(e))
         typer.echo(e.outcome.to_json())
@@ -45,8 +56,15 @@ def run_cmd(
     except (PipelineError, ConfigError, FileNotFoundError) as e:
         _err(str(e))
         code = getattr(e, "exit_code", 2)
-        typer.echo(json.dumps({"status": "locked" if code == 3 else "failed", "reason": str(e).splitlines()[0],
-                               "exit_code": code}))
+        typer.echo(
+            json.dumps(
+                {
+                    "status": "locked" if code == 3 else "failed",
+                    "reason": str(e).splitlines()[0],
+                    "exit_code": code,
+                }
+            )
+        )
         raise typer.Exit(code) from None
     typer.echo(out.to_json())
 
@@ -58,8 +76,12 @@ def emit_cmd(
     config: Annotated[str, typer.Option(help="axolotl config path as the job sees it")],
     schedule: Annotated[str, typer.Option(help="cron expression")] = "0 3 * * *",
     gpus: int = 1,
-    image: Annotated[str, typer.Option(help="container image (cronjob)")] = "registry.example.com/lora-pipeline:latest",
-    pipeline_bin: Annotated[str, typer.Option(help="path of the `pipeline` executable (systemd/scrontab)")] = "pipeline",
+    image: Annotated[
+        str, typer.Option(help="container image (cronjob)")
+    ] = "registry.example.com/lora-pipeline:latest",
+    pipeline_bin: Annotated[
+        str, typer.Option(help="path of the `pipeline` executable (systemd/scrontab)")
+    ] = "pipeline",
     workdir: str = "/srv/lora-pipeline",
     out: Annotated[Path | None, typer.Option(help="directory to write files into (default: stdout)")] = None,
 ):
@@ -70,8 +92,15 @@ def emit_cmd(
     from pipeline.schedule import ScheduleSpec, emit
 
     try:
-        spec = ScheduleSpec(name=name, config=config, schedule=schedule, gpus=gpus, image=image,
-                            pipeline_bin=pipeline_bin, workdir=workdir)
+        spec = ScheduleSpec(
+            name=name,
+            config=config,
+            schedule=schedule,
+            gpus=gpus,
+            image=image,
+            pipeline_bin=pipeline_bin,
+            workdir=workdir,
+        )
         files = emit(kind, spec)
     except (ValidationError, ValueError) as e:
         _err(str(e))

@@ -75,7 +75,9 @@ class FleetSection(_Section):
     keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")
     instances: list[Instance] = Field(default_factory=list)
     timeout_s: float = Field(30.0, description="per-request HTTP timeout, seconds")
-    canary_prompt: str = Field("Hello, the weather in Tokyo is", description="prompt of the post-switch canary")
+    canary_prompt: str = Field(
+        "Hello, the weather in Tokyo is", description="prompt of the post-switch canary"
+    )
     canary_max_tokens: int = Field(8, ge=1, description="greedy tokens the canary compares with the base")
     lock_timeout_s: float = Field(300.0, description="wait for another fleet operation's lock, seconds")
 
@@ -92,7 +94,8 @@ class RegistrySection(_Section):
     registry_uri: str | None = None
     experiment: str = "lora-pipeline"
     artifact_location: str | None = Field(
-        None, description="artifact store for the experiment, e.g. s3://bucket/prefix; default <state_dir>/mlartifacts"
+        None,
+        description="artifact store for the experiment, e.g. s3://bucket/prefix; default <state_dir>/mlartifacts",
     )
 
 
@@ -111,6 +114,56 @@ class RunSection(_Section):
     eval_loss_margin: float = Field(0.02, ge=0, description="max eval-loss increase over production (nats)")
 
 
+class CanarySection(_Section):
+    """`pipeline canary` on a staging vLLM instance, and the publish gate on its recorded result."""
+
+    staging_url: str | None = Field(
+        None, description="base URL of the staging vLLM instance (--staging overrides)"
+    )
+    staging_api_key_env: str | None = Field(None, description="environment variable holding its API key")
+    staging_dir: Path | None = Field(
+        None, description="where a registered version is unpacked for staging; default <state_dir>/canary"
+    )
+    staging_mount: str | None = Field(
+        None, description="where the staging instance sees staging_dir (default: the same absolute path)"
+    )
+    prompts: int = Field(
+        8, ge=1, description="validation-split prompts in the canary set (plus the tool-call ones)"
+    )
+    max_tokens: int = Field(16, ge=1, description="greedy tokens generated per canary prompt")
+    top_logprobs: int = Field(5, ge=1, le=20, description="top logprobs compared per generated token")
+    reference_dtype: Literal["float32", "bfloat16"] = Field("float32", description="PEFT reference precision")
+    min_token_agreement: float = Field(
+        0.95, ge=0, le=1, description="engine tokens equal to the reference argmax"
+    )
+    max_logprob_diff: float = Field(
+        0.1, ge=0, description="max |engine - reference| logprob over top tokens, nats"
+    )
+    tie_margin: float = Field(
+        0.01,
+        ge=0,
+        description="a different token within this many nats of the reference argmax counts as agreeing",
+    )
+    quantised: bool | None = Field(
+        None, description="the staging base is quantised (None: read the served checkpoint's config)"
+    )
+    base_gap_factor: float = Field(
+        2.0, ge=1, description="quantised base: tolerance = max(threshold, factor x the base's own gap)"
+    )
+    min_speed_ratio: float | None = Field(
+        None,
+        ge=0,
+        description="floor of adapter/base decode speed (base TPOT / adapter TPOT); None: not gated",
+    )
+    min_acceptance_ratio: float | None = Field(
+        None, ge=0, description="floor of adapter/base mean acceptance length; None: not gated"
+    )
+    required: bool = Field(
+        False, description="publish refuses a version without a passing canary for its weights"
+    )
+    timeout_s: float = Field(120.0, description="per-request HTTP timeout to the staging instance, seconds")
+
+
 class ProjectConfig(BaseSettings):
     """Schema of `pipeline.yaml`."""
 
@@ -124,6 +177,7 @@ class ProjectConfig(BaseSettings):
     volume: VolumeSection = Field(default_factory=VolumeSection)
     train: TrainSection = Field(default_factory=TrainSection)
     run: RunSection = Field(default_factory=RunSection)
+    canary: CanarySection = Field(default_factory=CanarySection)
 
     source: Path | None = Field(None, exclude=True, description="file this config was read from")
 
@@ -164,6 +218,7 @@ def _resolve_paths(cfg: ProjectConfig, root: Path) -> ProjectConfig:
     cfg.served.path = fix(cfg.served.path)
     cfg.volume.path = fix(cfg.volume.path)
     cfg.train.runs_dir = fix(cfg.train.runs_dir)
+    cfg.canary.staging_dir = fix(cfg.canary.staging_dir)
     return cfg
 
 

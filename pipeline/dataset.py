@@ -90,11 +90,17 @@ def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
         try:
             args = json.loads(args)
         except json.JSONDecodeError as e:
-            out.append(Finding("error", where, f"tool call {fn['name']!r}: arguments is not valid JSON ({e.msg})"))
+            out.append(
+                Finding("error", where, f"tool call {fn['name']!r}: arguments is not valid JSON ({e.msg})")
+            )
             return
     if not isinstance(args, dict):
         out.append(
-            Finding("error", where, f"tool call {fn['name']!r}: arguments must be a JSON object, got {type(args).__name__}")
+            Finding(
+                "error",
+                where,
+                f"tool call {fn['name']!r}: arguments must be a JSON object, got {type(args).__name__}",
+            )
         )
 
 
@@ -128,16 +134,24 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
                 for tc in tool_calls:
                     _check_tool_call(tc, w, out)
         if role == "tool":
-            prev = next((p for p in reversed(messages[:i]) if isinstance(p, dict) and p.get("role") != "tool"), None)
+            prev = next(
+                (p for p in reversed(messages[:i]) if isinstance(p, dict) and p.get("role") != "tool"), None
+            )
             if not prev or prev.get("role") != "assistant" or not prev.get("tool_calls"):
-                out.append(Finding("error", w, "a tool result must follow an assistant message with tool_calls"))
+                out.append(
+                    Finding("error", w, "a tool result must follow an assistant message with tool_calls")
+                )
         if role in roles_to_train and (content or tool_calls):
             trainable += 1
         if role in ("user", "system") and not content:
             out.append(Finding("error", w, f"{role} message has empty content"))
     if trainable == 0:
         out.append(
-            Finding("error", where, f"no trainable turn: needs a non-empty message with role in {sorted(roles_to_train)}")
+            Finding(
+                "error",
+                where,
+                f"no trainable turn: needs a non-empty message with role in {sorted(roles_to_train)}",
+            )
         )
     return out
 
@@ -180,7 +194,9 @@ def check_datasets(
                 try:
                     lines = f.read().splitlines()
                 except UnicodeDecodeError as e:
-                    report.findings.append(Finding("error", f"{path}", f"not UTF-8 ({e.reason} at byte {e.start})"))
+                    report.findings.append(
+                        Finding("error", f"{path}", f"not UTF-8 ({e.reason} at byte {e.start})")
+                    )
                     report.files.append(stats)
                     continue
             for lineno, line in enumerate(lines, 1):
@@ -190,10 +206,14 @@ def check_datasets(
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    report.findings.append(Finding("error", where, f"invalid JSON: {e.msg} (column {e.colno})"))
+                    report.findings.append(
+                        Finding("error", where, f"invalid JSON: {e.msg} (column {e.colno})")
+                    )
                     continue
                 if not isinstance(row, dict) or field_messages not in row:
-                    report.findings.append(Finding("error", where, f"expected an object with a {field_messages!r} list"))
+                    report.findings.append(
+                        Finding("error", where, f"expected an object with a {field_messages!r} list")
+                    )
                     continue
                 messages = row[field_messages]
                 found = check_conversation(messages, where, roles_to_train)
@@ -211,7 +231,9 @@ def check_datasets(
                     train_keys.add(key)
                 elif key in train_keys:
                     report.overlap += 1
-                    report.findings.append(Finding("error", where, "conversation also in the training set (leaks into eval)"))
+                    report.findings.append(
+                        Finding("error", where, "conversation also in the training set (leaks into eval)")
+                    )
                 if tokenizer is not None and sequence_len:
                     n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
                     lengths.append(n)

@@ -33,9 +33,14 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     times["tiny base"] = time.time() - t
 
     t = time.time()
-    res = train(cfg, axolotl_config, overrides=[f"base_model={base_dir}",
-                                                f"dataset_prepared_path={cfg.state_dir / 'prepared'}"],
-                name=name, echo=echo, show_progress=True)
+    res = train(
+        cfg,
+        axolotl_config,
+        overrides=[f"base_model={base_dir}", f"dataset_prepared_path={cfg.state_dir / 'prepared'}"],
+        name=name,
+        echo=echo,
+        show_progress=True,
+    )
     times["train"] = time.time() - t
 
     t = time.time()
@@ -67,6 +72,8 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     for k, v in times.items():
         table.add_row(f"seconds: {k}", f"{v:.1f}")
     Console().print(table)
-    echo(f"MLflow UI: `.venv/bin/pipeline ui --name {name}` (serves this store on 127.0.0.1 and prints the "
-         f"model page URL); `.venv/bin/pipeline status {name}` for the same facts in the terminal")
+    echo(
+        f"MLflow UI: `.venv/bin/pipeline ui --name {name}` (serves this store on 127.0.0.1 and prints the "
+        f"model page URL); `.venv/bin/pipeline status {name}` for the same facts in the terminal"
+    )
     return {**rows, "seconds": times, "version": reg.version}

@@ -113,6 +113,26 @@ class InstanceClient:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         return self._request("POST", "/v1/completions", json=body).json()["choices"][0]["text"]
 
+    def completion(self, model: str, prompt: str | list[int], max_tokens: int, **params) -> dict:
+        """The whole `/v1/completions` reply (greedy: temperature 0) for a text or token-id prompt.
+
+        `params` go into the request body as they are, e.g. `logprobs=5` (top-5 logprobs per
+        generated token), `return_tokens_as_token_ids=True` (tokens as "token_id:N").
+        """
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **params}
+        return self._request("POST", "/v1/completions", json=body).json()
+
+    def metrics_text(self) -> str:
+        """The Prometheus text of `GET /metrics` (vLLM's counters and histograms)."""
+        return self._request("GET", "/metrics").text
+
+    def version(self) -> str | None:
+        """vLLM's version from `GET /version` (None when the endpoint is absent)."""
+        try:
+            return self._request("GET", "/version").json().get("version")
+        except InstanceError:
+            return None
+
     def healthy(self) -> bool:
         try:
             return self.http.get("/health").status_code == 200

@@ -22,6 +22,7 @@ What it fixes before handing over to `vllm.entrypoints.cli.main`:
 The patches sit at module level so that spawned worker processes (which re-import
 this file as __mp_main__) get them too.
 """
+
 from __future__ import annotations
 
 import importlib.abc

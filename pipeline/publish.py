@@ -44,6 +44,7 @@ class Published:
     created: bool  # False: the version was already on the volume (no-op)
     previous_production: int | None = None
     instances: list[str] = field(default_factory=list)  # fleet instances that confirmed
+    warnings: list[str] = field(default_factory=list)  # e.g. the canary measured another served checkpoint
 
 
 def version_dir(volume: Path, name: str, version: int) -> Path:
@@ -92,10 +93,14 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
     if target.exists():
         man = target / MANIFEST
         if not man.exists():
-            raise PublishError(f"{target} exists without {MANIFEST}: not written by the pipeline; move it away")
+            raise PublishError(
+                f"{target} exists without {MANIFEST}: not written by the pipeline; move it away"
+            )
         problems = verify_files(target, read_manifest(target)["files"])
         if problems:
-            raise PublishError(f"{target} differs from its manifest (volume tampered?):\n  " + "\n  ".join(problems))
+            raise PublishError(
+                f"{target} differs from its manifest (volume tampered?):\n  " + "\n  ".join(problems)
+            )
         return target, False
 
     staging_root = Path(volume) / STAGING
@@ -106,7 +111,9 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
         manifest = read_manifest(src)
         problems = verify_files(src, manifest["files"])
         if problems:
-            raise PublishError(f"{name} v{version}: registered artifact fails its manifest:\n  " + "\n  ".join(problems))
+            raise PublishError(
+                f"{name} v{version}: registered artifact fails its manifest:\n  " + "\n  ".join(problems)
+            )
         check_publishable(mv, manifest["files"].get("adapter_model.safetensors", ""))
         stage = work / "adapter"
         shutil.copytree(src, stage)
@@ -165,7 +172,8 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
 
     Raises:
         UsageError: unknown model, version or alias (the volume is untouched).
-        CheckFailed: the version did not pass validation for its weights.
+        CheckFailed: the version did not pass validation for its weights, or its recorded canary
+            failed / is missing while `canary.required` (`pipeline.canary.gate`).
         PublishError: the artifact or an existing version directory fails its manifest.
         FleetError: with `fleet.instances` configured, an instance did not switch to the new
             version (all restored; aliases and the fleet's desired state unchanged).
@@ -173,6 +181,9 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
     from pipeline import registry
 
     mv = registry.resolve_version(cfg, name, version, alias)
+    from pipeline.canary import gate as canary_gate
+
+    warnings = canary_gate(cfg, mv)  # before anything is written
     volume = cfg.volume.path
     volume.mkdir(parents=True, exist_ok=True)
     path, created = materialise(cfg, mv, volume)
@@ -185,6 +196,16 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
     if prev is not None and prev != int(mv.version):
         registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, prev)
     # also sets the summary tags published.path / published.time / published.instances
-    registry.record_event(cfg, name, int(mv.version), {"type": "publish", "path": str(path), "created": created,
-                                                       "from_version": prev, "instances": instances})
-    return Published(name, int(mv.version), path, created, prev, instances)
+    registry.record_event(
+        cfg,
+        name,
+        int(mv.version),
+        {
+            "type": "publish",
+            "path": str(path),
+            "created": created,
+            "from_version": prev,
+            "instances": instances,
+        },
+    )
+    return Published(name, int(mv.version), path, created, prev, instances, warnings)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ProjectConfig
-from pipeline.errors import GateFailed, LockedError
+from pipeline.errors import CheckFailed, GateFailed, LockedError
 from pipeline.manifest import MANIFEST, read_manifest
 
 FINGERPRINT_TAG = "run.fingerprint"
@@ -43,7 +43,9 @@ class RunOutcome:
 
 def fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str:
     """Hex sha256 of the inputs that determine the adapter."""
-    payload = json.dumps({"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True)
+    payload = json.dumps(
+        {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True
+    )
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -109,8 +111,11 @@ def run(
     name = name or Path(config_path).stem
     ds = check_inputs(cfg, tc, set(allow))
     base = str(tc.data.get("base_model"))
-    fp = fingerprint(ds.fingerprint, tc.sha256,
-                     {"id": base, "revision": tc.data.get("base_model_revision"), "fingerprint": base_fingerprint(base)})
+    fp = fingerprint(
+        ds.fingerprint,
+        tc.sha256,
+        {"id": base, "revision": tc.data.get("base_model_revision"), "fingerprint": base_fingerprint(base)},
+    )
     seconds["check"] = time.time() - t0
     out = RunOutcome("failed", name, fp, seconds=seconds)
     if not force and _latest_fingerprint(cfg, name) == fp:
@@ -137,8 +142,17 @@ def run(
         else:
             if force and (run_dir / "adapter").exists():
                 run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}-{int(time.time())}"
-            adapter_dir = train(cfg, config_path, overrides=list(overrides), overlays=list(overlays), allow=set(allow), name=name,
-                                echo=echo, show_progress=show_progress, run_dir=run_dir).adapter_dir
+            adapter_dir = train(
+                cfg,
+                config_path,
+                overrides=list(overrides),
+                overlays=list(overlays),
+                allow=set(allow),
+                name=name,
+                echo=echo,
+                show_progress=show_progress,
+                run_dir=run_dir,
+            ).adapter_dir
         seconds["train"] = time.time() - t
         manifest = read_manifest(adapter_dir)
         out.run_id = manifest.get("mlflow_run_id")
@@ -154,11 +168,25 @@ def run(
         seconds["register"] = time.time() - t
 
         why = _gate(cfg, name, report.verdict, manifest.get("metrics", {}).get("eval_loss"))
+        if not why and cfg.canary.staging_url:
+            # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
+            # version; publish's canary gate then reads it (pipeline/canary.py).
+            t = time.time()
+            from pipeline.canary import canary_version
+
+            _, res = canary_version(cfg, name, version=reg.version)
+            seconds["canary"] = time.time() - t
+            if res.verdict != "pass":
+                why = "canary failed: " + "; ".join(res.problems)[:500]
         if why:
             out.status, out.reason = "gated", why
             raise GateFailed(f"{name} v{reg.version} stays `candidate`: {why}", outcome=out)
         t = time.time()
-        pub = publish(cfg, name, version=reg.version)
+        try:
+            pub = publish(cfg, name, version=reg.version)
+        except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
+            out.status, out.reason = "gated", str(e)
+            raise GateFailed(f"{name} v{reg.version} stays `candidate`: {e}", outcome=out) from None
         seconds["publish"] = time.time() - t
         out.status, out.published = "published", str(pub.path)
         return out

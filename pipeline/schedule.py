@@ -59,7 +59,9 @@ class ScheduleSpec(BaseModel):
     @classmethod
     def _dns(cls, v: str) -> str:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?", v):
-            raise ValueError(f"name {v!r}: use lower-case letters, digits and '-' (it names Kubernetes objects)")
+            raise ValueError(
+                f"name {v!r}: use lower-case letters, digits and '-' (it names Kubernetes objects)"
+            )
         return v
 
     def command(self) -> list[str]:
@@ -87,15 +89,20 @@ def cronjob(spec: ScheduleSpec) -> dict:
         ],
         # MLFLOW_TRACKING_URI / _USERNAME / _PASSWORD and fleet API keys come from the Secret.
         "envFrom": [{"secretRef": {"name": spec.mlflow_secret}}],
-        "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory, **gpu},
-                      "limits": {"memory": spec.memory, **gpu}},
+        "resources": {
+            "requests": {"cpu": spec.cpu, "memory": spec.memory, **gpu},
+            "limits": {"memory": spec.memory, **gpu},
+        },
         "volumeMounts": mounts,
     }
     pod = {
         "restartPolicy": "Never",
         "containers": [container],
         "volumes": [
-            {"name": "datasets", "persistentVolumeClaim": {"claimName": spec.datasets_claim, "readOnly": True}},
+            {
+                "name": "datasets",
+                "persistentVolumeClaim": {"claimName": spec.datasets_claim, "readOnly": True},
+            },
             {"name": "adapters", "persistentVolumeClaim": {"claimName": spec.adapters_claim}},
             {"name": "state", "persistentVolumeClaim": {"claimName": spec.state_claim}},
             {"name": "config", "configMap": {"name": f"lora-pipeline-{spec.name}"}},
@@ -104,8 +111,11 @@ def cronjob(spec: ScheduleSpec) -> dict:
     return {
         "apiVersion": "batch/v1",
         "kind": "CronJob",
-        "metadata": {"name": f"lora-retrain-{spec.name}", "namespace": spec.namespace,
-                     "labels": {"app.kubernetes.io/name": "lora-pipeline", "lora-pipeline/adapter": spec.name}},
+        "metadata": {
+            "name": f"lora-retrain-{spec.name}",
+            "namespace": spec.namespace,
+            "labels": {"app.kubernetes.io/name": "lora-pipeline", "lora-pipeline/adapter": spec.name},
+        },
         "spec": {
             "schedule": spec.schedule,
             "timeZone": spec.timezone,
@@ -118,8 +128,18 @@ def cronjob(spec: ScheduleSpec) -> dict:
                     "backoffLimit": 2,
                     "activeDeadlineSeconds": spec.time_limit_h * 3600,
                     # 3 (locked) and 5 (gated) are answers, not crashes: never retry them.
-                    "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
-                        "containerName": "pipeline", "operator": "In", "values": [1, 2, 3, 5]}}]},
+                    "podFailurePolicy": {
+                        "rules": [
+                            {
+                                "action": "FailJob",
+                                "onExitCodes": {
+                                    "containerName": "pipeline",
+                                    "operator": "In",
+                                    "values": [1, 2, 3, 5],
+                                },
+                            }
+                        ]
+                    },
                     "template": {"metadata": {"labels": {"lora-pipeline/adapter": spec.name}}, "spec": pod},
                 }
             },
@@ -143,7 +163,7 @@ WorkingDirectory={spec.workdir}
 Environment=PIPELINE_CONFIG={spec.project_config} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # MLflow credentials and fleet API keys: KEY=value lines, mode 0600, never in this unit.
 EnvironmentFile=-{spec.env_file}
-ExecStart={' '.join(shlex.quote(c) for c in spec.command())}
+ExecStart={" ".join(shlex.quote(c) for c in spec.command())}
 # 3 = another run holds the lock: not a failure of this activation.
 SuccessExitStatus=3
 TimeoutStartSec={spec.time_limit_h}h

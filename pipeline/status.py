@@ -42,11 +42,13 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
 
     Returns {"tracking_uri", "models": [{"name", "aliases": {alias: version}, "versions": [{
     "version", "aliases", "verdict", "eval_loss", "weights_sha256", "published_path",
-    "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}]}]}],
+    "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}],
+    "canary": None | {"verdict", "token_agreement", "acceptance_length", "speed_ratio", ...}}]}],
     "fleet": [...] | None, "fleet_error": str | None}; versions newest first.
     Raises UsageError: `name` is not a registered model.
     """
     from pipeline import registry
+    from pipeline.canary import show as canary_show
 
     names = [name] if name else registry.model_names(cfg)
     fleet_rows, fleet_error = _fleet_rows(cfg) if fleet else (None, None)
@@ -81,6 +83,7 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
                     ),
                     "events": registry.events(mv),
                     "serving": serving,
+                    "canary": canary_show(t),
                 }
             )
         models.append({"name": n, "aliases": aliases, "versions": rows})
@@ -90,6 +93,19 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
         "fleet": fleet_rows,
         "fleet_error": fleet_error,
     }
+
+
+def _canary_cell(c: dict | None) -> str:
+    """`pass agree 1.000 AL 2.10/3.21 speed x0.49`: verdict, token agreement, acceptance length adapter/base, speed."""
+    if not c:
+        return ""
+    color = {"pass": "green", "fail": "red"}.get(c.get("verdict"), "yellow")
+    parts = [f"[{color}]{c.get('verdict')}[/]", f"agree {c.get('token_agreement')}"]
+    if c.get("acceptance_length"):
+        parts.append(f"AL {c['acceptance_length']}/{c.get('base_acceptance_length')}")
+    if c.get("speed_ratio"):
+        parts.append(f"speed x{c['speed_ratio']}")
+    return " ".join(parts)
 
 
 def render(data: dict, console=None) -> None:
@@ -105,6 +121,7 @@ def render(data: dict, console=None) -> None:
         "aliases",
         "validation",
         "eval loss",
+        "canary",
         "published path",
         "serving",
         "created",
@@ -124,6 +141,7 @@ def render(data: dict, console=None) -> None:
                 ", ".join(r["aliases"]),
                 f"[{colors.get(verdict, 'yellow')}]{verdict}[/]",
                 r["eval_loss"] or "",
+                _canary_cell(r.get("canary")),
                 r["published_path"] or "",
                 serving,
                 r["created"],

@@ -61,7 +61,7 @@ def _corpus(dataset_dir: Path | None) -> list[str]:
         "You are a helpful assistant. The quick brown fox jumps over the lazy dog.",
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n</parameter>\n</function>\n</tool_call>",
         "# Tools You may call one or more functions. Available functions: VALUE NAME ARG",
-        "0123456789 {}[]\":,.-_/ true false null",
+        '0123456789 {}[]":,.-_/ true false null',
     ]
     if dataset_dir and dataset_dir.is_dir():
         for f in sorted(dataset_dir.glob("*.jsonl")):
@@ -160,7 +160,9 @@ def _write_vl_layout(out: Path, model, seed: int) -> None:
     for name, t in model.state_dict().items():
         prefix = f"model.layers.{full}."
         if name.startswith(prefix):
-            tensors["mtp.layers.0." + name[len(prefix):]] = (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype)
+            tensors["mtp.layers.0." + name[len(prefix) :]] = (torch.randn(t.shape, generator=g) * 0.02).to(
+                t.dtype
+            )
     tensors["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.02).to(torch.bfloat16)
     for n in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
         tensors[n] = torch.ones(h, dtype=torch.bfloat16)
@@ -168,7 +170,9 @@ def _write_vl_layout(out: Path, model, seed: int) -> None:
     tensors["model.visual.patch_embed.proj.weight"] = (torch.randn(h, 3, 2, 16, 16, generator=g) * 0.02).to(
         torch.bfloat16
     )
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = (torch.randn(3 * h, h, generator=g) * 0.02).to(torch.bfloat16)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = (torch.randn(3 * h, h, generator=g) * 0.02).to(
+        torch.bfloat16
+    )
 
     names = sorted(tensors)
     n_shards = 3
@@ -199,8 +203,13 @@ def _write_vl_layout(out: Path, model, seed: int) -> None:
 
 # -- a served (NVFP4 ModelOpt-like) checkpoint ---------------------------------------------------------
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the FP4 e2m1 code points 0..7
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def quantize_nvfp4(w):
@@ -226,8 +235,9 @@ def quantize_nvfp4(w):
     return packed.contiguous(), scale.contiguous(), scale2.reshape(()).to(torch.float32)
 
 
-def build_tiny_served(base_dir: Path, out: Path, exclude_modules: list[str] | None = None,
-                      chat_template: str | None = None) -> Path:
+def build_tiny_served(
+    base_dir: Path, out: Path, exclude_modules: list[str] | None = None, chat_template: str | None = None
+) -> Path:
     """Write a text-only NVFP4 ModelOpt-style checkpoint of a tiny base (either layout) to `out`.
 
     Like the fleet's served checkpoint (e.g. an NVFP4 + MTP repackaging of Qwen3.6-27B): tensors
@@ -264,12 +274,17 @@ def build_tiny_served(base_dir: Path, out: Path, exclude_modules: list[str] | No
                 key = name
                 for p in TEXT_PREFIXES:
                     if name.startswith(p):
-                        key = "model." + name[len(p):]
+                        key = "model." + name[len(p) :]
                         break
                 t = f.get_tensor(name)
                 stem = key[: -len(".weight")] if key.endswith(".weight") else None
-                if (stem and t.dim() == 2 and ".layers." in stem and stem.startswith("model.")
-                        and not any(fnmatch.fnmatch(stem, pat) for pat in exclude)):
+                if (
+                    stem
+                    and t.dim() == 2
+                    and ".layers." in stem
+                    and stem.startswith("model.")
+                    and not any(fnmatch.fnmatch(stem, pat) for pat in exclude)
+                ):
                     packed, scale, scale2 = quantize_nvfp4(t)
                     tensors[key] = packed
                     tensors[stem + ".weight_scale"] = scale
@@ -280,16 +295,31 @@ def build_tiny_served(base_dir: Path, out: Path, exclude_modules: list[str] | No
     fname = "model.safetensors"
     save_file(tensors, str(out / fname), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": {k: fname for k in sorted(tensors)}}, indent=2))
-    quant = {"producer": {"name": "modelopt", "version": "0.37.0"},
-             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
-                              "exclude_modules": exclude}}
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": {k: fname for k in sorted(tensors)}}, indent=2
+        )
+    )
+    quant = {
+        "producer": {"name": "modelopt", "version": "0.37.0"},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": "FP8",
+            "group_size": 16,
+            "exclude_modules": exclude,
+        },
+    }
     (out / "hf_quant_config.json").write_text(json.dumps(quant, indent=2))
     base_cfg = json.loads((base_dir / "config.json").read_text())
     cfg = dict(base_cfg.get("text_config") or base_cfg)
-    cfg.update({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "torch_dtype": "bfloat16",
-                "quantization_config": {"quant_method": "modelopt", **quant["quantization"]}})
+    cfg.update(
+        {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "torch_dtype": "bfloat16",
+            "quantization_config": {"quant_method": "modelopt", **quant["quantization"]},
+        }
+    )
     cfg.setdefault("mtp_num_hidden_layers", 1 if any(k.startswith("mtp.") for k in tensors) else 0)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     for f in TOKENIZER_FILES:

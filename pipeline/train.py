@@ -38,15 +38,29 @@ from pipeline.training_config import TrainingConfig, check_training_config, load
 PLUGIN = "pipeline.axolotl_plugin.PipelinePlugin"
 # Files copied from axolotl's output_dir into the adapter directory.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 # Per-GPU dense bf16 peak (TFLOP/s, no sparsity) by device-name substring, from vendor datasheets;
 # the longest matching key wins ("H20" vs "H200"). Override with train.peak_tflops, e.g. with a
 # measured matmul rate: an H200 here ran 8192^3 bf16 products at 727-798 TFLOP/s, so MFU against
 # the datasheet reads ~0.78x MFU against the measured rate (benchmarks/RESULTS.md).
 # MFU = 6 x base parameters x tokens/s / (peak x GPUs).
 PEAK_TFLOPS = {
-    "H200": 989.0, "H100": 989.0, "GH200": 989.0, "H800": 989.0, "H20": 148.0,
-    "B200": 2250.0, "B300": 2250.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "GH200": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
+    "B200": 2250.0,
+    "B300": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
     "RTX PRO 6000": 504.0,
 }
 
@@ -67,8 +81,15 @@ class TrainResult:
 def train_env(extra: dict | None = None) -> dict:
     """Environment for the axolotl child: offline, no telemetry."""
     env = dict(os.environ)
-    env.update({"AXOLOTL_DO_NOT_TRACK": "1", "WANDB_MODE": "disabled", "HF_HUB_DISABLE_TELEMETRY": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "AXOLOTL_DO_NOT_TRACK": "1",
+            "WANDB_MODE": "disabled",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.setdefault("HF_HUB_OFFLINE", "1")
     # axolotl's launchers run `accelerate` / `torchrun` by name: find ours even when the venv
     # is not activated (e.g. `.venv/bin/pipeline train ...` from cron).
@@ -140,7 +161,9 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
     return d
 
 
-def launcher_command(resolved_yml: Path, gpus: int = 1, launcher: str | None = None, launcher_args=()) -> list[str]:
+def launcher_command(
+    resolved_yml: Path, gpus: int = 1, launcher: str | None = None, launcher_args=()
+) -> list[str]:
     """The axolotl CLI command for this run (shown to the user before it starts).
 
     One device: `--launcher python` (in-process trainer, no accelerate wrapper). Several:
@@ -272,8 +295,13 @@ def _progress_loop(proc: subprocess.Popen, metrics: Path, show: bool) -> None:
     )
 
     with Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(), TimeRemainingColumn(), transient=False,
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
     ) as prog:
         task = prog.add_task("train", total=None, info="loading model and data")
         while proc.poll() is None:
@@ -333,11 +361,24 @@ def train(
 
     from pipeline import registry
 
-    datasets = [{"name": Path(f.path).name, "path": str(Path(f.path).resolve()), "sha256": f.sha256,
-                 "role": "training" if f.role == "train" else "validation"} for f in ds_report.files]
-    params = {"axolotl": {k: v for k, v in resolved.items()
-                          if k not in ("plugins", "mlflow_tracking_uri", "resume_from_checkpoint")},
-              "dataset_fingerprint": ds_report.fingerprint, "config_sha256": tc.sha256}
+    datasets = [
+        {
+            "name": Path(f.path).name,
+            "path": str(Path(f.path).resolve()),
+            "sha256": f.sha256,
+            "role": "training" if f.role == "train" else "validation",
+        }
+        for f in ds_report.files
+    ]
+    params = {
+        "axolotl": {
+            k: v
+            for k, v in resolved.items()
+            if k not in ("plugins", "mlflow_tracking_uri", "resume_from_checkpoint")
+        },
+        "dataset_fingerprint": ds_report.fingerprint,
+        "config_sha256": tc.sha256,
+    }
     run_file = run_dir / "mlflow_run.json"
     run_id = json.loads(run_file.read_text())["run_id"] if resume is not None and run_file.exists() else None
     if run_id is None:
@@ -349,10 +390,17 @@ def train(
     metrics_file = run_dir / "metrics.jsonl"
     cmd = launcher_command(resolved_yml, gpus, launcher, launcher_args)
     echo(f"run dir: {run_dir}\nmlflow run: {run_id}\nlaunching: {' '.join(cmd)}")
-    env = train_env({"PIPELINE_METRICS_FILE": str(metrics_file), "MLFLOW_RUN_ID": run_id,
-                     "MLFLOW_TRACKING_URI": cfg.tracking_uri})
+    env = train_env(
+        {
+            "PIPELINE_METRICS_FILE": str(metrics_file),
+            "MLFLOW_RUN_ID": run_id,
+            "MLFLOW_TRACKING_URI": cfg.tracking_uri,
+        }
+    )
     with open(run_dir / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
         try:
             _progress_loop(proc, metrics_file, show_progress)
         except BaseException:
@@ -380,15 +428,38 @@ def train(
         "name": name,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "files": file_hashes(staging),
-        "base_model": {"id": base, "revision": tc.data.get("base_model_revision"), "fingerprint": base_fingerprint(base)},
-        "served": {"checkpoint": cfg.served.checkpoint, "revision": cfg.served.revision, "model": cfg.served.model},
-        "dataset": {"fingerprint": ds_report.fingerprint,
-                    "files": [{"path": f.path, "role": f.role, "sha256": f.sha256, "conversations": f.conversations}
-                              for f in ds_report.files]},
+        "base_model": {
+            "id": base,
+            "revision": tc.data.get("base_model_revision"),
+            "fingerprint": base_fingerprint(base),
+        },
+        "served": {
+            "checkpoint": cfg.served.checkpoint,
+            "revision": cfg.served.revision,
+            "model": cfg.served.model,
+        },
+        "dataset": {
+            "fingerprint": ds_report.fingerprint,
+            "files": [
+                {"path": f.path, "role": f.role, "sha256": f.sha256, "conversations": f.conversations}
+                for f in ds_report.files
+            ],
+        },
         "config_sha256": tc.sha256,
         "resolved_config": str(resolved_yml),
-        "adapter": {k: adapter_cfg.get(k) for k in ("r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern",
-                                                   "use_rslora", "use_dora", "peft_type")},
+        "adapter": {
+            k: adapter_cfg.get(k)
+            for k in (
+                "r",
+                "lora_alpha",
+                "target_modules",
+                "rank_pattern",
+                "alpha_pattern",
+                "use_rslora",
+                "use_dora",
+                "peft_type",
+            )
+        },
         "versions": package_versions(),
         "metrics": summary,
         "mlflow_run_id": run_id,
@@ -396,5 +467,7 @@ def train(
     }
     write_json_atomic(staging / MANIFEST, manifest)
     os.replace(staging, adapter_dir)
-    registry.finish_training_run(cfg, run_id, summary, [adapter_dir / MANIFEST, run_dir / "dataset_report.json"], ok=True)
+    registry.finish_training_run(
+        cfg, run_id, summary, [adapter_dir / MANIFEST, run_dir / "dataset_report.json"], ok=True
+    )
     return TrainResult(run_dir, adapter_dir, manifest, run_id, time.time() - t0)

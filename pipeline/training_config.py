@@ -102,21 +102,30 @@ def load_training_config(path: Path, overrides: list[str] = (), overlays: list[P
     return TrainingConfig(path=path, data=data)
 
 
-def servability_problems(tc: TrainingConfig, max_lora_rank: int, allow: set[str] = frozenset()) -> list[tuple[str, str]]:
+def servability_problems(
+    tc: TrainingConfig, max_lora_rank: int, allow: set[str] = frozenset()
+) -> list[tuple[str, str]]:
     """(check id, message) for each setting the fleet cannot serve, minus the allowed ids."""
     d = tc.data
     where = str(tc.path)
     problems: list[tuple[str, str]] = []
     adapter = d.get("adapter")
     if adapter not in ("lora", "qlora"):
-        problems.append(("adapter", f"{where}: adapter is {adapter!r}; the fleet hot-loads LoRA: set `adapter: lora`"))
+        problems.append(
+            ("adapter", f"{where}: adapter is {adapter!r}; the fleet hot-loads LoRA: set `adapter: lora`")
+        )
     elif adapter == "qlora":
-        problems.append(("qlora", f"{where}: adapter: qlora trains against a 4-bit base: use `adapter: lora`"))
+        problems.append(
+            ("qlora", f"{where}: adapter: qlora trains against a 4-bit base: use `adapter: lora`")
+        )
     if d.get("peft_use_dora"):
         problems.append(("dora", f"{where}: peft_use_dora: true; vLLM rejects DoRA adapters: remove it"))
     if d.get("lora_modules_to_save"):
         problems.append(
-            ("modules_to_save", f"{where}: lora_modules_to_save {d['lora_modules_to_save']} is rejected by vLLM: remove it")
+            (
+                "modules_to_save",
+                f"{where}: lora_modules_to_save {d['lora_modules_to_save']} is rejected by vLLM: remove it",
+            )
         )
     targets = d.get("lora_target_modules") or []
     if isinstance(targets, str):
@@ -124,12 +133,17 @@ def servability_problems(tc: TrainingConfig, max_lora_rank: int, allow: set[str]
     emb = sorted(set(targets) & EMBEDDING_TARGETS)
     if emb:
         problems.append(
-            ("embedding_targets", f"{where}: lora_target_modules includes {emb}; not servable by a hot-loading fleet")
+            (
+                "embedding_targets",
+                f"{where}: lora_target_modules includes {emb}; not servable by a hot-loading fleet",
+            )
         )
     if not targets and not d.get("lora_target_linear"):
         problems.append(("targets", f"{where}: no lora_target_modules: list the projections to adapt"))
     if d.get("peft_use_rslora"):
-        problems.append(("rslora", f"{where}: peft_use_rslora: true; use plain LoRA scaling (alpha/r) for the fleet"))
+        problems.append(
+            ("rslora", f"{where}: peft_use_rslora: true; use plain LoRA scaling (alpha/r) for the fleet")
+        )
     r = d.get("lora_r")
     if not isinstance(r, int) or r not in VLLM_LORA_RANKS or r > max_lora_rank:
         problems.append(
@@ -144,7 +158,10 @@ def servability_problems(tc: TrainingConfig, max_lora_rank: int, allow: set[str]
         problems.append(("base_model", f"{where}: base_model is missing"))
     elif not Path(base).exists() and not d.get("base_model_revision"):
         problems.append(
-            ("unpinned_base", f"{where}: base_model {base!r} is a hub id without base_model_revision: pin a commit sha")
+            (
+                "unpinned_base",
+                f"{where}: base_model {base!r} is a hub id without base_model_revision: pin a commit sha",
+            )
         )
     return [(cid, msg) for cid, msg in problems if cid not in allow]
 

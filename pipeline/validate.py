@@ -1028,6 +1028,10 @@ def validate_with_config(cfg, adapter_dir: Path, base_dir: Path | None = None, *
     base_dir = base_dir or default_base(cfg, adapter_dir)
     rep = validate_adapter(adapter_dir, base_dir, FleetRules.from_config(cfg), **kwargs)
     if base_dir is None:
-        rep.add("base.missing", "error", "no base checkpoint to validate against: pass --base DIR or set base.path "
-                "in pipeline.yaml", str(adapter_dir))
+        rep.add(
+            "base.missing",
+            "error",
+            "no base checkpoint to validate against: pass --base DIR or set base.path in pipeline.yaml",
+            str(adapter_dir),
+        )
     return rep

@@ -21,10 +21,22 @@ def weather(rng, i):
     return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"What is the weather in {city} right now?"},
-        {"role": "assistant", "content": "", "reasoning_content": f"I need current weather for {city}.",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather",
-                                                          "arguments": {"city": city, "unit": "celsius"}}}]},
-        {"role": "tool", "name": "get_weather", "content": json.dumps({"city": city, "temp_c": temp, "condition": cond})},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": f"I need current weather for {city}.",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": city, "unit": "celsius"}},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "name": "get_weather",
+            "content": json.dumps({"city": city, "temp_c": temp, "condition": cond}),
+        },
         {"role": "assistant", "content": f"It is {temp} C and {cond} in {city}."},
     ]
 
@@ -36,13 +48,29 @@ def sql(rng, i):
     return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"How many rows in {table} were created on {day}?"},
-        {"role": "assistant", "content": "Let me count them.",
-         "tool_calls": [{"type": "function", "function": {"name": "run_sql", "arguments": {
-             "query": f"SELECT count(*) FROM {table} WHERE created::date = '{day}'", "limit": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "Let me count them.",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "run_sql",
+                        "arguments": {
+                            "query": f"SELECT count(*) FROM {table} WHERE created::date = '{day}'",
+                            "limit": 1,
+                        },
+                    },
+                }
+            ],
+        },
         {"role": "tool", "name": "run_sql", "content": json.dumps({"rows": [[n]]})},
         {"role": "assistant", "content": f"{n} rows in {table} were created on {day}."},
         {"role": "user", "content": "Thanks. Is that more than usual?"},
-        {"role": "assistant", "content": "I only have that one day; compare it with a weekly average to tell."},
+        {
+            "role": "assistant",
+            "content": "I only have that one day; compare it with a weekly average to tell.",
+        },
     ]
 
 
@@ -51,11 +79,21 @@ def docs(rng, i):
     k = rng.randint(1, 5)
     return [
         {"role": "user", "content": f"Find docs about {topic}."},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "search_docs",
-                                                          "arguments": {"query": topic, "top_k": k}}}]},
-        {"role": "tool", "name": "search_docs",
-         "content": json.dumps({"hits": [f"{topic} guide part {j}" for j in range(1, k + 1)]})},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "search_docs", "arguments": {"query": topic, "top_k": k}},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "name": "search_docs",
+            "content": json.dumps({"hits": [f"{topic} guide part {j}" for j in range(1, k + 1)]}),
+        },
         {"role": "assistant", "content": f"I found {k} pages about {topic}; start with part 1."},
     ]
 
@@ -66,9 +104,25 @@ def ticket(rng, i):
     return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"The {svc} service keeps restarting. Open a {sev} ticket."},
-        {"role": "assistant", "content": "", "reasoning_content": "Open a ticket with the service and severity.",
-         "tool_calls": [{"type": "function", "function": {"name": "create_ticket", "arguments": {
-             "service": svc, "severity": sev, "title": f"{svc} restarting", "tags": ["ops", svc]}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Open a ticket with the service and severity.",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "create_ticket",
+                        "arguments": {
+                            "service": svc,
+                            "severity": sev,
+                            "title": f"{svc} restarting",
+                            "tags": ["ops", svc],
+                        },
+                    },
+                }
+            ],
+        },
         {"role": "tool", "name": "create_ticket", "content": json.dumps({"id": 1000 + i, "status": "open"})},
         {"role": "assistant", "content": f"Opened ticket {1000 + i} ({sev}) for {svc}."},
     ]
@@ -78,7 +132,11 @@ def chat(rng, i):
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     return [
         {"role": "user", "content": f"What is {a} plus {b}?"},
-        {"role": "assistant", "content": f"{a} plus {b} is {a + b}.", "reasoning_content": f"{a}+{b}={a + b}"},
+        {
+            "role": "assistant",
+            "content": f"{a} plus {b} is {a + b}.",
+            "reasoning_content": f"{a}+{b}={a + b}",
+        },
         {"role": "user", "content": "And times two?"},
         {"role": "assistant", "content": f"{2 * (a + b)}."},
     ]

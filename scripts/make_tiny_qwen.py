@@ -5,6 +5,7 @@ Runs with the fleet venv's python (needs torch, transformers, tokenizers, peft):
 Writes OUT_DIR/base (model + tokenizer), OUT_DIR/lora_a and OUT_DIR/lora_b (two
 different random LoRA adapters, r=8, safetensors). Never touches any model hub.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # guard `from transformers import Qwen3ForCausalLM` fails (torchvision::nms).
 import runpy  # noqa: E402
 
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pipeline",
-                            "fleet_launcher.py"), run_name="_fleet_launcher_patches")
+runpy.run_path(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pipeline", "fleet_launcher.py"),
+    run_name="_fleet_launcher_patches",
+)
 
 import torch  # noqa: E402
 
@@ -120,8 +123,9 @@ def build_lora(base_dir: str, out: str, arch: str, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
-                     target_modules=targets, task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=targets, task_type="CAUSAL_LM"
+    )
     peft_model = get_peft_model(model, cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

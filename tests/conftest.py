@@ -58,8 +58,13 @@ def trained(tmp_path_factory, tiny_base):
         res = train(
             cfg,
             REPO / "axolotl_configs" / "tiny-cpu.yml",
-            overrides=[f"base_model={tiny_base}", f"dataset_prepared_path={root / 'prepared'}", "max_steps=6",
-                       "eval_steps=6", "save_steps=6"],
+            overrides=[
+                f"base_model={tiny_base}",
+                f"dataset_prepared_path={root / 'prepared'}",
+                "max_steps=6",
+                "eval_steps=6",
+                "save_steps=6",
+            ],
             name="agent-tools",
             show_progress=False,
             echo=lambda *a: None,

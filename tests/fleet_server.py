@@ -54,12 +54,20 @@ def free_port() -> int:
 class VllmServer:
     """One vLLM CPU instance serving `model` (an absolute directory; also its served name)."""
 
-    def __init__(self, model: Path, log_dir: Path, name: str, extra_env: dict | None = None):
+    def __init__(
+        self,
+        model: Path,
+        log_dir: Path,
+        name: str,
+        extra_env: dict | None = None,
+        extra_args: list[str] | None = None,
+    ):
         self.model = str(Path(model).resolve())
         self.name = name
         self.port = free_port()
         self.log = Path(log_dir) / f"{name}.log"
         self.extra_env = extra_env or {}
+        self.extra_args = list(extra_args or [])  # after SERVE_ARGS: a repeated flag overrides (e.g. --dtype)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -86,6 +94,7 @@ class VllmServer:
             "--port",
             str(self.port),
             *SERVE_ARGS,
+            *self.extra_args,
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(

@@ -16,7 +16,9 @@ def write(path, rows):
 
 
 def test_sample_dataset_passes_with_fingerprint():
-    rep = check_datasets([REPO / "datasets/agent_chat_train.jsonl"], [REPO / "datasets/agent_chat_validation.jsonl"])
+    rep = check_datasets(
+        [REPO / "datasets/agent_chat_train.jsonl"], [REPO / "datasets/agent_chat_validation.jsonl"]
+    )
     assert rep.ok, [str(f) for f in rep.errors]
     assert rep.files[0].conversations == 120 and rep.files[1].conversations == 20
     assert len(rep.fingerprint) == 64 and rep.overlap == 0
@@ -36,20 +38,41 @@ def test_fingerprint_changes_with_any_byte(tmp_path):
         ({"msgs": []}, "expected an object with a 'messages' list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no trainable turn"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 5}]}, "content must be a string"),
         (
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
-                          "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 5}]},
+            "content must be a string",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}],
+                    },
+                ]
+            },
             "arguments is not valid JSON",
         ),
         (
-            {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r"},
-                          {"role": "assistant", "content": "a"}]},
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "tool", "content": "r"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
             "must follow an assistant message with tool_calls",
         ),
         (
-            {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
-                          {"role": "assistant", "content": "a"}]},
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "system", "content": "s"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
             "system message may only come first",
         ),
     ],

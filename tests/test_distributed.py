@@ -19,7 +19,13 @@ def test_launcher_commands(tmp_path):
     base = [sys.executable, "-m", "axolotl.cli.main", "train", str(y), "--launcher"]
     assert launcher_command(y) == [*base, "python"]
     assert launcher_command(y, gpus=2) == [*base, "accelerate", "--", "--num_processes", "2"]
-    assert launcher_command(y, gpus=4, launcher="torchrun") == [*base, "torchrun", "--", "--nproc_per_node", "4"]
+    assert launcher_command(y, gpus=4, launcher="torchrun") == [
+        *base,
+        "torchrun",
+        "--",
+        "--nproc_per_node",
+        "4",
+    ]
     # the user's own launcher arguments win and pass through untouched
     cmd = launcher_command(y, gpus=2, launcher_args=["--num_processes=2", "--main_process_port", "29600"])
     assert cmd[-4:] == ["--", "--num_processes=2", "--main_process_port", "29600"]
@@ -29,8 +35,11 @@ def test_fsdp2_overlay_is_valid_for_axolotl():
     from axolotl.utils.config import validate_config
     from axolotl.utils.dict import DictDefault
 
-    tc = load_training_config(REPO / "axolotl_configs/qwen3.6-27b-lora.yml", ["base_model_revision=abc123"],
-                              [REPO / "axolotl_configs/fsdp2.yml"])
+    tc = load_training_config(
+        REPO / "axolotl_configs/qwen3.6-27b-lora.yml",
+        ["base_model_revision=abc123"],
+        [REPO / "axolotl_configs/fsdp2.yml"],
+    )
     assert tc.data["lora_r"] == 16 and tc.data["gradient_checkpointing"] is False
     cfg = validate_config(DictDefault(tc.data))
     assert cfg.fsdp_version == 2

@@ -27,12 +27,18 @@ def test_train_leaves_adapter_and_manifest(trained, tiny_base):
     from mlflow import MlflowClient
 
     client = MlflowClient(cfg.tracking_uri)
-    hist = client.get_metric_history(res.run_id, "train/loss") or client.get_metric_history(res.run_id, "loss")
+    hist = client.get_metric_history(res.run_id, "train/loss") or client.get_metric_history(
+        res.run_id, "loss"
+    )
     assert len(hist) >= 5
     run = client.get_run(res.run_id)
-    assert run.info.status == "FINISHED" and run.data.params["dataset_fingerprint"] == m["dataset"]["fingerprint"]
+    assert (
+        run.info.status == "FINISHED"
+        and run.data.params["dataset_fingerprint"] == m["dataset"]["fingerprint"]
+    )
     assert {i.dataset.digest for i in run.inputs.dataset_inputs} == {
-        f["sha256"][:36] for f in m["dataset"]["files"]}
+        f["sha256"][:36] for f in m["dataset"]["files"]
+    }
 
 
 def test_validate_register_publish(trained, tiny_base, monkeypatch):
@@ -50,14 +56,15 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
     pub = publish(cfg, "agent-tools", alias="candidate")
     assert pub.created and pub.path == cfg.volume.path / f"agent-tools-v{reg.version}"
     # byte-identical to the registered artifact, except the rewritten base name
-    for name, sha in res.manifest["files"].items():
+    for name in res.manifest["files"]:
         if name != "adapter_config.json":
             assert (pub.path / name).read_bytes() == (res.adapter_dir / name).read_bytes()
     acfg = json.loads((pub.path / "adapter_config.json").read_text())
     assert acfg["base_model_name_or_path"] == cfg.served.model
     orig = json.loads((res.adapter_dir / "adapter_config.json").read_text())
     assert {k: v for k, v in acfg.items() if k != "base_model_name_or_path"} == {
-        k: v for k, v in orig.items() if k != "base_model_name_or_path"}
+        k: v for k, v in orig.items() if k != "base_model_name_or_path"
+    }
     man = read_manifest(pub.path)
     assert man["published"]["original_base_model_name_or_path"] == orig["base_model_name_or_path"]
     assert verify_files(pub.path, man["files"]) == []
@@ -73,12 +80,22 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
     listing = sorted(p.name for p in cfg.volume.path.iterdir())
     env = dict(os.environ, PIPELINE_CONFIG=str(cfg.source))
     for args in (["--version", "99"], ["--alias", "nope"]):
-        r = subprocess.run([sys.executable, "-m", "pipeline", "publish", "agent-tools", *args],
-                           capture_output=True, text=True, env=env, cwd=REPO)
+        r = subprocess.run(
+            [sys.executable, "-m", "pipeline", "publish", "agent-tools", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
         assert r.returncode == 2, r.stderr
         assert "not found" in r.stderr and "versions [" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pipeline", "publish", "ghost", "--version", "1"],
-                       capture_output=True, text=True, env=env, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline", "publish", "ghost", "--version", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == 2 and "registered model 'ghost' not found" in r.stderr
     assert sorted(p.name for p in cfg.volume.path.iterdir()) == listing
 
@@ -119,10 +136,25 @@ def test_bad_dataset_stops_before_training_and_writes_nothing(project, tmp_path,
     bad.write_text(good + "\n" + '{"messages": [{"role": "user", "content": "q"}' + "\n")
     env = dict(os.environ, PIPELINE_CONFIG=str(project.source))
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline", "train", str(REPO / "axolotl_configs/tiny-cpu.yml"),
-         "--set", f"base_model={tiny_base}", "--set", f"datasets=[{{path: {bad}, type: chat_template}}]",
-         "--set", "test_datasets=null"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "train",
+            str(REPO / "axolotl_configs/tiny-cpu.yml"),
+            "--set",
+            f"base_model={tiny_base}",
+            "--set",
+            f"datasets=[{{path: {bad}, type: chat_template}}]",
+            "--set",
+            "test_datasets=null",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert r.returncode == 1, r.stderr
     assert f"{bad}:2" in r.stderr and "invalid JSON" in r.stderr
     assert not project.train.runs_dir.exists()

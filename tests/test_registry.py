@@ -369,9 +369,13 @@ def test_fleet_sync_follow_alias_cli_ships_the_moved_alias(registry_project, two
     register(cfg, two_adapters[1], tiny_base, name)
     publish(cfg, name, version=1)
     _client(cfg).set_registered_model_alias(name, "production", "2")
-    r = subprocess.run([sys.executable, "-m", "pipeline", "fleet", "sync", "--follow-alias", "production"],
-                       capture_output=True, text=True, env=dict(os.environ, PIPELINE_CONFIG=str(cfg.source)),
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline", "fleet", "sync", "--follow-alias", "production"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PIPELINE_CONFIG=str(cfg.source)),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (cfg.volume.path / f"{name}-v2" / "manifest.json").exists()
     assert registry.aliases(cfg, name)["previous"] == 1

@@ -29,12 +29,17 @@ def proj(tmp_path_factory, tiny_base):
     for f in ("agent_chat_train.jsonl", "agent_chat_validation.jsonl"):
         shutil.copy(REPO / "datasets" / f, data / f)
     cfg_path = write_project_config(root)
-    sets = [f"base_model={tiny_base}", f"dataset_prepared_path={root / 'prepared'}", "max_steps=6",
-            "eval_steps=6", "save_steps=2",
-            f"datasets=[{{path: {data / 'agent_chat_train.jsonl'}, ds_type: json, type: chat_template, "
-            "field_messages: messages, roles_to_train: [assistant]}]",
-            f"test_datasets=[{{path: {data / 'agent_chat_validation.jsonl'}, ds_type: json, split: train, "
-            "type: chat_template, field_messages: messages, roles_to_train: [assistant]}]"]
+    sets = [
+        f"base_model={tiny_base}",
+        f"dataset_prepared_path={root / 'prepared'}",
+        "max_steps=6",
+        "eval_steps=6",
+        "save_steps=2",
+        f"datasets=[{{path: {data / 'agent_chat_train.jsonl'}, ds_type: json, type: chat_template, "
+        "field_messages: messages, roles_to_train: [assistant]}]",
+        f"test_datasets=[{{path: {data / 'agent_chat_validation.jsonl'}, ds_type: json, split: train, "
+        "type: chat_template, field_messages: messages, roles_to_train: [assistant]}]",
+    ]
     return {"root": root, "cfg_path": cfg_path, "sets": sets, "data": data}
 
 
@@ -44,8 +49,15 @@ def cli_run(proj, *extra, wait=True):
         args += ["--set", s]
     env = dict(os.environ, PIPELINE_CONFIG=str(proj["cfg_path"]))
     if not wait:
-        return subprocess.Popen([*args, *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        return subprocess.Popen(
+            [*args, *extra],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     return subprocess.run([*args, *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
@@ -65,7 +77,9 @@ def test_first_run_publishes_then_unchanged_inputs_skip(proj):
     r = cli_run(proj)
     assert r.returncode == 0, r.stderr[-3000:]
     out = last_json(r.stdout)
-    assert out["status"] == "published" and out["version"] == 1 and out["published"].endswith("agent-tools-v1")
+    assert (
+        out["status"] == "published" and out["version"] == 1 and out["published"].endswith("agent-tools-v1")
+    )
     assert {"check", "train", "validate", "register", "publish", "total"} <= set(out["seconds"])
     cfg = load_config(proj["cfg_path"])
     runs = n_runs(cfg)
@@ -83,8 +97,12 @@ def test_concurrent_run_locked_then_sigkill_resumes_and_gate_holds(proj):
     if not (cfg.volume.path / "agent-tools-v1").exists():  # run alone: needs a production version
         assert cli_run(proj).returncode == 0
     with open(proj["data"] / "agent_chat_train.jsonl", "a") as f:  # new data: a new fingerprint
-        f.write(json.dumps({"messages": [{"role": "user", "content": "ping"},
-                                         {"role": "assistant", "content": "pong"}]}) + "\n")
+        f.write(
+            json.dumps(
+                {"messages": [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]}
+            )
+            + "\n"
+        )
     runs_before = n_runs(cfg)
     old_dirs = set(cfg.train.runs_dir.iterdir())
     a = cli_run(proj, wait=False)
@@ -120,3 +138,41 @@ def test_concurrent_run_locked_then_sigkill_resumes_and_gate_holds(proj):
     # the resumed run continued the same training directory and MLflow run
     assert len(list(cfg.train.runs_dir.glob("agent-tools-*"))) == 2
     assert n_runs(cfg) == runs_before + 1
+
+
+def test_publish_gate_refusal_is_a_gated_run(proj):
+    """A refusal from publish's own gates (here: `canary.required` with no canary recorded) keeps
+    the candidate and exits 5, like the eval-loss gate."""
+    cfg = load_config(proj["cfg_path"])
+    registry.set_version_tags(cfg, "agent-tools", 1, {"eval_loss": "100"})  # the eval gate passes
+    with open(proj["data"] / "agent_chat_train.jsonl", "a") as f:
+        f.write(
+            json.dumps(
+                {"messages": [{"role": "user", "content": "marco"}, {"role": "assistant", "content": "polo"}]}
+            )
+            + "\n"
+        )
+    before = registry.aliases(cfg, "agent-tools")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            str(TINY),
+            "--name",
+            "agent-tools",
+            *[a for s in proj["sets"] for a in ("--set", s)],
+        ],
+        env=dict(os.environ, PIPELINE_CONFIG=str(proj["cfg_path"]), PIPELINE_CANARY__REQUIRED="true"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 5, r.stderr[-3000:]
+    out = last_json(r.stdout)
+    assert out["status"] == "gated" and "canary" in out["reason"]
+    after = registry.aliases(cfg, "agent-tools")
+    assert after["production"] == before["production"] and after["candidate"] == out["version"]
+    assert not (cfg.volume.path / f"agent-tools-v{out['version']}").exists()

@@ -60,13 +60,15 @@ def test_systemd_units_verify(tmp_path):
         (tmp_path / name).write_text(text)
     timer = files["lora-retrain-agent-tools.timer"]
     assert "Persistent=true" in timer and "OnCalendar=*-*-* 3:0:00" in timer
-    r = subprocess.run(["systemd-analyze", "verify", *[str(tmp_path / n) for n in files]],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", *[str(tmp_path / n) for n in files]], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     # and the check is real: a broken calendar fails it
     (tmp_path / "lora-retrain-agent-tools.timer").write_text(timer.replace("3:0:00", "notatime"))
-    r = subprocess.run(["systemd-analyze", "verify", *[str(tmp_path / n) for n in files]],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", *[str(tmp_path / n) for n in files]], capture_output=True, text=True
+    )
     assert r.returncode != 0
 
 
@@ -80,6 +82,24 @@ def test_scrontab_line():
 
 @pytest.mark.parametrize("bad", ["0 3 * *", "every day", "0 3 * * * *"])
 def test_bad_schedule_rejected(bad):
-    r = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "emit", "--kind", "cronjob", "--name", "a",
-                        "--config", "c.yml", "--schedule", bad], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "schedule",
+            "emit",
+            "--kind",
+            "cronjob",
+            "--name",
+            "a",
+            "--config",
+            "c.yml",
+            "--schedule",
+            bad,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert r.returncode == 2 and "cron expression" in r.stderr

@@ -43,7 +43,9 @@ def test_unservable_settings_refused(tmp_path, override, cid):
 
 
 def test_check_names_missing_dataset(tmp_path):
-    tc = load_training_config(TINY, [f"base_model={tmp_path}", "datasets=[{path: nope.jsonl, type: chat_template}]"])
+    tc = load_training_config(
+        TINY, [f"base_model={tmp_path}", "datasets=[{path: nope.jsonl, type: chat_template}]"]
+    )
     with pytest.raises(CheckFailed, match="nope.jsonl does not exist"):
         check_training_config(tc, 16)
 
