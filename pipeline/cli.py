@@ -237,6 +237,10 @@ def validate(
     from pipeline.validate import default_base, validate_with_config
 
     cfg = project_config()
+    if not adapter.is_dir():
+        raise UsageError(f"{adapter}: adapter directory not found")
+    if base is not None and not base.is_dir():
+        raise UsageError(f"{base}: base checkpoint directory not found")
     if (base or default_base(cfg, adapter)) is None:
         raise UsageError("no base checkpoint: pass --base DIR or set base.path in pipeline.yaml")
     rep = validate_with_config(
@@ -276,6 +280,13 @@ def register(
         f"registered {reg.name} version {reg.version} (alias candidate), validation {rep.verdict}, "
         f"model {reg.model_id}, run {reg.run_id}"
     )
+    if not rep.passed:  # recorded for lineage, but it must not look like a success
+        failed = ", ".join(sorted({c.id for c in rep.checks if c.severity == "error"}))
+        _err(
+            f"validation failed ({failed}): version {reg.version} is registered but `publish` will refuse it; "
+            f"see `pipeline validate {adapter}`"
+        )
+        raise typer.Exit(1)
 
 
 # -- publish ----------------------------------------------------------------------------------------------
@@ -290,8 +301,13 @@ def publish(
     from pipeline.publish import publish as do_publish
 
     res = do_publish(project_config(), name, version, alias)
-    what = "published" if res.created else "already published (no-op)"
+    what = "published" if res.created else "already on the volume (not rewritten)"
     typer.echo(f"{what}: {res.name} v{res.version} -> {res.path}")
+    if res.previous_production not in (None, res.version):
+        typer.echo(
+            f"alias production: v{res.previous_production} -> v{res.version} (previous = "
+            f"v{res.previous_production})"
+        )
     if res.instances:
         typer.echo(f"serving on: {', '.join(res.instances)}")
     for w in res.warnings:

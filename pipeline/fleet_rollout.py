@@ -390,14 +390,17 @@ def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> tuple[int,
 
     with fleet_lock(cfg.volume.path, cfg.fleet.lock_timeout_s):
         state = load_state(cfg.volume.path)
-        cur = state.version(name)
+        # Without a fleet (or before its first rollout) the registry's aliases are the record.
+        if state.version(name) is None:
+            registry.versions(cfg, name)  # UsageError naming the registered models if `name` is unknown
+        cur = state.version(name) or registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
         if cur is None:
-            raise UsageError(
-                f"{name}: no desired version in {cfg.volume.path}/fleet-state.json (never published?)"
-            )
-        target = to if to is not None else state.previous(name)
+            raise UsageError(f"{name}: nothing is in production (no desired state, no `production` alias)")
+        target = to if to is not None else (state.previous(name) if state.version(name) is not None else None)
+        target = target or registry.alias_version(cfg, name, registry.ALIAS_PREVIOUS)
         if target is None:
-            raise UsageError(f"{name}: no earlier version in the desired-state history; pass --to N")
+            raise UsageError(f"{name}: no earlier version to roll back to; pass --to N")
+        registry.resolve_version(cfg, name, version=target)  # UsageError listing the versions that exist
         d = version_dir(cfg.volume.path, name, target)
         if not d.is_dir():
             raise UsageError(

@@ -105,6 +105,7 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
 
     staging_root = Path(volume) / STAGING
     staging_root.mkdir(parents=True, exist_ok=True)
+    _clear_stale_staging(staging_root)
     work = Path(tempfile.mkdtemp(prefix=f"{name}-v{version}.", dir=staging_root))
     try:
         src = registry.download_version(cfg, mv, work / "download")
@@ -146,6 +147,26 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
         return target, True
     finally:
         _rmtree(work)
+        try:
+            staging_root.rmdir()  # only when empty: a concurrent publish may be staging
+        except OSError:
+            pass
+
+
+STALE_STAGING_S = 3600
+
+
+def _clear_stale_staging(staging_root: Path) -> None:
+    """Remove staging debris of publishes killed mid-way (untouched for an hour: no live publish
+    of an adapter takes that long, and a live one keeps writing)."""
+    import time
+
+    for p in staging_root.iterdir():
+        try:
+            if time.time() - p.stat().st_mtime > STALE_STAGING_S:
+                _rmtree(p)
+        except FileNotFoundError:
+            pass
 
 
 def _rmtree(path: Path) -> None:

@@ -32,6 +32,7 @@ class RegistryError(PipelineError):
 def _mlflow(cfg: ProjectConfig):
     """Import mlflow pointed at the project's store, initialised once under a lock."""
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
     from filelock import FileLock
 
@@ -263,7 +264,7 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
     Raises:
         RegistryError: the directory has no manifest.json (train it with `pipeline train`).
     """
-    from pipeline.manifest import read_manifest
+    from pipeline.manifest import read_manifest, verify_files
 
     adapter_dir = Path(adapter_dir)
     try:
@@ -272,6 +273,13 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
         raise RegistryError(
             f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
         ) from e
+    # The lineage on the version is the manifest's: refuse files that are not what it describes.
+    problems = verify_files(adapter_dir, manifest.get("files", {}))
+    if problems:
+        raise RegistryError(
+            f"{adapter_dir}: files differ from manifest.json (edited after training?); nothing registered:\n  "
+            + "\n  ".join(problems)
+        )
     mlflow = _mlflow(cfg)
     client = mlflow.MlflowClient()
     run_id = manifest.get("mlflow_run_id")

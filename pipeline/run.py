@@ -3,7 +3,7 @@
 Safe to start twice (per-adapter lock: the second exits at once with code 3), safe to kill
 (the training directory is keyed by the input fingerprint, so the next run resumes from the
 last checkpoint through axolotl's resume support), skips work that changes nothing (same
-fingerprint as the latest registered version: status `skipped`), and ships only what passes
+fingerprint as a registered version: status `skipped`), and ships only what passes
 the gates (validation passed; eval loss not worse than production's by more than
 `run.eval_loss_margin`).
 
@@ -49,14 +49,20 @@ def fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _latest_fingerprint(cfg: ProjectConfig, name: str) -> str | None:
+def _registered_with(cfg: ProjectConfig, name: str, fp: str) -> int | None:
+    """The newest version of `name` trained from inputs with fingerprint `fp`, or None.
+
+    Any version counts, not only the latest: the same inputs again (e.g. after a manual
+    registration in between) would only re-register an identical adapter.
+    """
     from pipeline import registry
+    from pipeline.errors import UsageError
 
     try:
         vs = registry.versions(cfg, name)
-    except Exception:  # no such model yet
+    except UsageError:  # no such model yet
         return None
-    return (vs[0].tags or {}).get(FINGERPRINT_TAG) if vs else None
+    return next((int(v.version) for v in vs if (v.tags or {}).get(FINGERPRINT_TAG) == fp), None)
 
 
 def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float | None) -> str | None:
@@ -118,8 +124,10 @@ def run(
     )
     seconds["check"] = time.time() - t0
     out = RunOutcome("failed", name, fp, seconds=seconds)
-    if not force and _latest_fingerprint(cfg, name) == fp:
-        out.status, out.reason = "skipped", "inputs unchanged since the latest registered version"
+    same = None if force else _registered_with(cfg, name, fp)
+    if same is not None:
+        out.status, out.version = "skipped", same
+        out.reason = f"inputs unchanged: version {same} was trained from them (--force retrains)"
         return out
 
     lock_dir = cfg.state_dir / "locks"
@@ -131,8 +139,10 @@ def run(
         raise LockedError(f"another `pipeline run` for {name!r} holds {lock.lock_file}; exiting") from None
     try:
         # Re-check under the lock: a concurrent run may have just registered these inputs.
-        if not force and _latest_fingerprint(cfg, name) == fp:
-            out.status, out.reason = "skipped", "inputs unchanged since the latest registered version"
+        same = None if force else _registered_with(cfg, name, fp)
+        if same is not None:
+            out.status, out.version = "skipped", same
+            out.reason = f"inputs unchanged: version {same} was trained from them"
             return out
         run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
         t = time.time()

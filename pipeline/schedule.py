@@ -195,7 +195,13 @@ def _cron_to_oncalendar(m: str, h: str, dom: str, mon: str, dow: str) -> str:
             return f"0/{x[2:]}"
         return x
 
-    dow_s = "" if dow == "*" else ",".join(days.get(d, d) for d in dow.split(",")) + " "
+    def day(d: str) -> str:  # "1-5" -> "Mon..Fri"; names pass through
+        if "-" in d:
+            a, b = d.split("-", 1)
+            return f"{days.get(a, a)}..{days.get(b, b)}"
+        return days.get(d, d)
+
+    dow_s = "" if dow == "*" else ",".join(day(d) for d in dow.split(",")) + " "
     return f"{dow_s}*-{f(mon)}-{f(dom)} {f(h)}:{f(m)}:00"
 
 

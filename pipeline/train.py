@@ -123,9 +123,29 @@ def _load_tokenizer(base: str):
         return None
 
 
+def check_axolotl_schema(tc: TrainingConfig) -> None:
+    """axolotl's own config validation, in this process, before any run directory or MLflow run
+    exists (otherwise a typo like `micro_batch_size: abc` fails inside the trainer).
+
+    Raises CheckFailed with one line per field axolotl rejects.
+    """
+    from axolotl.utils.config import validate_config
+    from axolotl.utils.dict import DictDefault
+    from pydantic import ValidationError
+
+    try:
+        validate_config(DictDefault(json.loads(json.dumps(tc.data))))
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise CheckFailed(f"{tc.path}: axolotl refuses the config:\n  " + "\n  ".join(lines)) from None
+    except ValueError as e:
+        raise CheckFailed(f"{tc.path}: axolotl refuses the config: {e}") from None
+
+
 def check_inputs(cfg: ProjectConfig, tc: TrainingConfig, allow: set[str]) -> DatasetReport:
-    """Config servability + dataset checks. Raises CheckFailed before anything is written."""
+    """Config servability, axolotl's schema and dataset checks. Raises before anything is written."""
     check_training_config(tc, cfg.fleet.max_lora_rank, allow)
+    check_axolotl_schema(tc)
     ds = (tc.data.get("datasets") or [{}])[0]
     report = check_datasets(
         tc.dataset_paths("datasets"),

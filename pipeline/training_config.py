@@ -56,7 +56,13 @@ def parse_override(item: str) -> tuple[str, object]:
     if "=" not in item:
         raise UsageError(f"--set {item!r}: expected key=value, e.g. --set max_steps=20")
     key, raw = item.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw else None
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as e:
+        raise UsageError(
+            f"--set {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); "
+            "quote it or fix the brackets"
+        ) from e
 
 
 def _read_yaml(path: Path) -> dict:
@@ -171,7 +177,19 @@ def check_training_config(tc: TrainingConfig, max_lora_rank: int, allow: set[str
     unknown = set(allow) - set(ALLOWABLE)
     if unknown:
         raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(ALLOWABLE)}")
-    msgs = [m for _, m in servability_problems(tc, max_lora_rank, set(allow))]
+    for key in ("datasets", "test_datasets"):
+        value = tc.data.get(key)
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(d, dict) and d.get("path") for d in value)
+        ):
+            raise UsageError(
+                f"{tc.path}: {key} must be a list of mappings with a path, e.g. "
+                f"--set '{key}=[{{path: data/train.jsonl, ds_type: json, type: chat_template}}]'; got {value!r}"
+            )
+    msgs = [
+        f"{m} (override with --allow {cid})" if cid in ALLOWABLE else m
+        for cid, m in servability_problems(tc, max_lora_rank, set(allow))
+    ]
     for key in ("datasets", "test_datasets"):
         for p in tc.dataset_paths(key):
             if not p.exists():

@@ -153,8 +153,12 @@ def build(seed: int, n: int, offset: int) -> list[dict]:
 def main() -> None:
     out = Path(__file__).resolve().parent.parent / "datasets"
     out.mkdir(exist_ok=True)
-    train = build(1, 120, 0)
-    seen = {json.dumps(r, sort_keys=True) for r in train}
+    train, seen = [], set()
+    for r in build(1, 240, 0):  # unique conversations only (duplicates would only be warned about)
+        key = json.dumps(r, sort_keys=True)
+        if key not in seen and len(train) < 120:
+            seen.add(key)
+            train.append(r)
     # validation: disjoint from train (an overlap would leak into eval loss)
     validation = [r for r in build(2, 40, 5000) if json.dumps(r, sort_keys=True) not in seen][:20]
     for name, rows in (("train", train), ("validation", validation)):

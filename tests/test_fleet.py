@@ -111,11 +111,34 @@ def test_missing_api_key_is_a_usage_error(tmp_path, monkeypatch):
         status(cfg)
 
 
-def test_rollback_without_desired_state_is_a_usage_error(tmp_path, monkeypatch):
+def test_rollback_of_an_unknown_adapter_is_a_usage_error(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
     from pipeline.cli import app
 
     monkeypatch.setenv("PIPELINE_CONFIG", str(cfg.source))
     res = CliRunner().invoke(app, ["rollback", "chat"])
     assert res.exit_code == 2
-    assert "no desired version" in res.output
+    assert "chat" in res.output and "not found" in res.output
+
+
+def test_rollback_without_a_fleet_uses_the_registry_aliases(tmp_path, monkeypatch, tiny_base):
+    """No instances and no fleet-state.json: rollback moves `production` back via the aliases."""
+    from pipeline import registry
+    from pipeline.config import load_config
+    from pipeline.fleet_rollout import rollback
+    from pipeline.publish import publish
+    from tests.helpers import write_project_config
+    from tests.registry_support import adapter_with_manifest, register
+
+    cfg = load_config(write_project_config(tmp_path))
+    for seed in (0, 1):
+        register(cfg, adapter_with_manifest(tiny_base, tmp_path / f"a{seed}", seed=seed), tiny_base, "solo")
+        publish(cfg, "solo", version=seed + 1)
+    assert rollback(cfg, "solo")[:2] == (2, 1)
+    assert registry.aliases(cfg, "solo")["production"] == 1
+    import pytest
+
+    from pipeline.errors import UsageError
+
+    with pytest.raises(UsageError, match="version 9 not found"):
+        rollback(cfg, "solo", to=9)

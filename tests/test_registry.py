@@ -379,3 +379,27 @@ def test_fleet_sync_follow_alias_cli_ships_the_moved_alias(registry_project, two
     assert r.returncode == 0, r.stderr[-2000:]
     assert (cfg.volume.path / f"{name}-v2" / "manifest.json").exists()
     assert registry.aliases(cfg, name)["previous"] == 1
+
+
+def test_register_refuses_files_that_differ_from_the_manifest(
+    registry_project, two_adapters, tiny_base, tmp_path
+):
+    """An adapter edited after training (here `r`) is not registered under the training's lineage."""
+    import shutil
+
+    cfg = registry_project
+    bad = tmp_path / "edited"
+    shutil.copytree(two_adapters[0], bad)
+    acfg = json.loads((bad / "adapter_config.json").read_text())
+    acfg["r"] = 16
+    (bad / "adapter_config.json").write_text(json.dumps(acfg))
+    with pytest.raises(registry.RegistryError, match="adapter_config.json: sha256"):
+        registry.register_adapter(cfg, bad, _names("edited"), {"verdict": "pass"})
+    from pipeline.cli import app
+
+    r = CliRunner().invoke(
+        app,
+        ["register", str(bad), "--name", _names("edited"), "--base", str(tiny_base)],
+        env={"PIPELINE_CONFIG": str(cfg.source)},
+    )
+    assert r.exit_code == 2 and "differ from manifest.json" in r.output

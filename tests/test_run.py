@@ -87,7 +87,7 @@ def test_first_run_publishes_then_unchanged_inputs_skip(proj):
     r = cli_run(proj)
     assert r.returncode == 0, r.stderr[-3000:]
     out = last_json(r.stdout)
-    assert out["status"] == "skipped" and out["version"] is None
+    assert out["status"] == "skipped" and out["version"] == 1
     assert n_runs(cfg) == runs  # no new MLflow run
     assert [int(v.version) for v in registry.versions(cfg, "agent-tools")] == [1]
 

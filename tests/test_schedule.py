@@ -103,3 +103,13 @@ def test_bad_schedule_rejected(bad):
         cwd=REPO,
     )
     assert r.returncode == 2 and "cron expression" in r.stderr
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_weekday_range_is_a_valid_calendar():
+    """Regression: cron day-of-week ranges (`1-5`) were copied verbatim into OnCalendar (invalid)."""
+    timer = emit("systemd", spec(schedule="*/15 * * * 1-5"))["lora-retrain-agent-tools.timer"]
+    cal = next(line.split("=", 1)[1] for line in timer.splitlines() if line.startswith("OnCalendar="))
+    assert cal.startswith("Mon..Fri ")
+    r = subprocess.run(["systemd-analyze", "calendar", cal], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -59,3 +59,34 @@ def test_bad_yaml_and_override(tmp_path):
         load_training_config(TINY, ["max_steps"])
     with pytest.raises(UsageError, match="unknown check id"):
         check_training_config(load_training_config(TINY), 16, {"everything"})
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("datasets=/tmp/x.jsonl", "must be a list of mappings with a path"),
+        ("datasets=[/tmp/x.jsonl]", "must be a list of mappings with a path"),
+        ("datasets={path: /tmp/x}", "must be a list of mappings with a path"),
+    ],
+)
+def test_malformed_dataset_overrides_are_usage_errors(tmp_path, override, message):
+    """Regression: these reached the trainer set-up as AttributeError/KeyError tracebacks."""
+    tc = load_training_config(TINY, [f"base_model={tmp_path}", override])
+    with pytest.raises(UsageError, match=message):
+        check_training_config(tc, 16)
+
+
+def test_unparseable_override_value():
+    with pytest.raises(UsageError, match="not valid YAML"):
+        load_training_config(TINY, ["lora_r=["])
+
+
+def test_axolotl_schema_refusal_before_anything_is_written(tmp_path):
+    """axolotl's own validation runs in-process before a run directory or MLflow run exists."""
+    from pipeline.train import check_axolotl_schema
+
+    check_axolotl_schema(
+        load_training_config(TINY, [f"base_model={tmp_path}"])
+    )  # the shipped config is valid
+    with pytest.raises(CheckFailed, match="micro_batch_size: Input should be a valid integer"):
+        check_axolotl_schema(load_training_config(TINY, [f"base_model={tmp_path}", "micro_batch_size=abc"]))
