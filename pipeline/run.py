@@ -115,21 +115,7 @@ def run(
     seconds: dict[str, float] = {}
     tc = load_training_config(Path(config_path), list(overrides), list(overlays))
     name = name or Path(config_path).stem
-    ds = check_inputs(cfg, tc, set(allow))
-    base = str(tc.data.get("base_model"))
-    fp = fingerprint(
-        ds.fingerprint,
-        tc.sha256,
-        {"id": base, "revision": tc.data.get("base_model_revision"), "fingerprint": base_fingerprint(base)},
-    )
-    seconds["check"] = time.time() - t0
-    out = RunOutcome("failed", name, fp, seconds=seconds)
-    same = None if force else _registered_with(cfg, name, fp)
-    if same is not None:
-        out.status, out.version = "skipped", same
-        out.reason = f"inputs unchanged: version {same} was trained from them (--force retrains)"
-        return out
-
+    # The lock comes first, so a second concurrent run exits at once, before any slow check.
     lock_dir = cfg.state_dir / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(lock_dir / f"{name}.lock"))
@@ -138,11 +124,23 @@ def run(
     except Timeout:
         raise LockedError(f"another `pipeline run` for {name!r} holds {lock.lock_file}; exiting") from None
     try:
-        # Re-check under the lock: a concurrent run may have just registered these inputs.
+        ds = check_inputs(cfg, tc, set(allow))
+        base = str(tc.data.get("base_model"))
+        fp = fingerprint(
+            ds.fingerprint,
+            tc.sha256,
+            {
+                "id": base,
+                "revision": tc.data.get("base_model_revision"),
+                "fingerprint": base_fingerprint(base),
+            },
+        )
+        seconds["check"] = time.time() - t0
+        out = RunOutcome("failed", name, fp, seconds=seconds)
         same = None if force else _registered_with(cfg, name, fp)
         if same is not None:
             out.status, out.version = "skipped", same
-            out.reason = f"inputs unchanged: version {same} was trained from them"
+            out.reason = f"inputs unchanged: version {same} was trained from them (--force retrains)"
             return out
         run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
         t = time.time()

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,6 +54,10 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
     mv = registry.resolve_version(cfg, "agent-tools", alias="candidate")
     assert int(mv.version) == reg.version and mv.tags["validation.verdict"] == "pass"
 
+    # debris of a publish killed an hour ago is cleared by the next publish
+    stale = cfg.volume.path / ".staging" / "agent-tools-v9.dead"
+    (stale / "adapter").mkdir(parents=True)
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     pub = publish(cfg, "agent-tools", alias="candidate")
     assert pub.created and pub.path == cfg.volume.path / f"agent-tools-v{reg.version}"
     # byte-identical to the registered artifact, except the rewritten base name
@@ -68,7 +73,7 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
     man = read_manifest(pub.path)
     assert man["published"]["original_base_model_name_or_path"] == orig["base_model_name_or_path"]
     assert verify_files(pub.path, man["files"]) == []
-    assert not list((cfg.volume.path / ".staging").iterdir())
+    assert not (cfg.volume.path / ".staging").exists()  # removed once empty: no debris on the volume
     assert int(registry.resolve_version(cfg, "agent-tools", alias="production").version) == reg.version
 
     # republishing is a no-op: nothing rewritten

@@ -105,7 +105,8 @@ def test_concurrent_run_locked_then_sigkill_resumes_and_gate_holds(proj):
         )
     runs_before = n_runs(cfg)
     old_dirs = set(cfg.train.runs_dir.iterdir())
-    a = cli_run(proj, wait=False)
+    longer = ("--set", "max_steps=12", "--set", "eval_steps=12")  # so the killed run cannot finish first
+    a = cli_run(proj, *longer, wait=False)
     try:
         # wait until the new run is training and has a checkpoint to resume from
         deadline = time.time() + 600
@@ -127,7 +128,7 @@ def test_concurrent_run_locked_then_sigkill_resumes_and_gate_holds(proj):
 
     # production's eval loss made unbeatable: the resumed candidate must be gated, not shipped
     registry.set_version_tags(cfg, "agent-tools", 1, {"eval_loss": "0.001"})
-    r = cli_run(proj)
+    r = cli_run(proj, *longer)
     assert r.returncode == 5, r.stderr[-3000:]
     out = last_json(r.stdout)
     assert out["status"] == "gated" and "eval_loss" in out["reason"] and out["version"] == 2
