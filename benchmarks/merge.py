@@ -31,21 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-H, INTER, VOCAB = 5120, 17408, 248320
-LINEAR = {  # Gated DeltaNet token mixer
-    "linear_attn.in_proj_qkv": (10240, H),
-    "linear_attn.in_proj_z": (6144, H),
-    "linear_attn.in_proj_b": (48, H),
-    "linear_attn.in_proj_a": (48, H),
-    "linear_attn.out_proj": (H, 6144),
-}
-FULL = {
-    "self_attn.q_proj": (12288, H),
-    "self_attn.k_proj": (1024, H),
-    "self_attn.v_proj": (1024, H),
-    "self_attn.o_proj": (H, 6144),
-}
-MLP = {"mlp.gate_proj": (INTER, H), "mlp.up_proj": (INTER, H), "mlp.down_proj": (H, INTER)}
+from qwen36_27b import FULL, INTER, LINEAR, MLP, VOCAB, H, layer_types, text_config  # noqa: E402 (sibling module)
+
 LINEAR_OTHER = {
     "linear_attn.conv1d.weight": (10240, 1, 4),
     "linear_attn.A_log": (48,),
@@ -53,10 +40,6 @@ LINEAR_OTHER = {
     "linear_attn.norm.weight": (128,),
 }
 FULL_OTHER = {"self_attn.q_norm.weight": (256,), "self_attn.k_norm.weight": (256,)}
-
-
-def layer_types(n: int) -> list[str]:
-    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
 
 
 def build(root: Path, layers: int, shard_bytes: int, rank: int, embeddings: bool) -> tuple[Path, Path]:
@@ -111,22 +94,7 @@ def build(root: Path, layers: int, shard_bytes: int, rank: int, embeddings: bool
     (base / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    text_cfg = {
-        "hidden_size": H,
-        "intermediate_size": INTER,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "vocab_size": VOCAB,
-        "layer_types": layer_types(layers),
-        "mtp_num_hidden_layers": 1,
-        "model_type": "qwen3_5_text",
-    }
+    text_cfg = text_config(layers)
     (base / "config.json").write_text(
         json.dumps(
             {

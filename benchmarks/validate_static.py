@@ -29,44 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-H, LAYERS, VOCAB, INTER = 5120, 64, 248320, 17408
-FULL = {
-    "self_attn.q_proj": (12288, 5120),
-    "self_attn.k_proj": (1024, 5120),
-    "self_attn.v_proj": (1024, 5120),
-    "self_attn.o_proj": (5120, 6144),
-}
-LINEAR = {
-    "linear_attn.in_proj_qkv": (10240, 5120),
-    "linear_attn.in_proj_z": (6144, 5120),
-    "linear_attn.in_proj_b": (48, 5120),
-    "linear_attn.in_proj_a": (48, 5120),
-    "linear_attn.out_proj": (5120, 6144),
-}
-MLP = {"mlp.gate_proj": (INTER, H), "mlp.up_proj": (INTER, H), "mlp.down_proj": (H, INTER)}
-LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 16
+from qwen36_27b import FULL, LAYERS, LINEAR, MLP, VOCAB, H, layer_types, text_config  # noqa: E402
+
+LAYER_TYPES = layer_types(LAYERS)
 BYTES = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
-
-
-def text_config() -> dict:
-    return {
-        "model_type": "qwen3_5_text",
-        "hidden_size": H,
-        "num_hidden_layers": LAYERS,
-        "intermediate_size": INTER,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "vocab_size": VOCAB,
-        "layer_types": LAYER_TYPES,
-        "attn_output_gate": True,
-        "mtp_num_hidden_layers": 1,
-    }
 
 
 def base_tensors(prefix: str, quantized: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -12,7 +12,6 @@ allowed ranks, refused PEFT variants, and which modules of Qwen3.5 it can patch.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -1000,10 +999,6 @@ def validate_adapter(
 
         beh.run(adapter_dir, base_dir, rep, validation_files=validation_files)
     return rep
-
-
-def load_report(path: Path) -> ValidationReport:
-    return ValidationReport.from_dict(json.loads(Path(path).read_text()))
 
 
 def default_base(cfg, adapter_dir: Path) -> Path | None:
