@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/publish_latency.py [--repeats 10] [--out DIR]
 
-Starts two real vLLM CPU instances (tests/fleet_server.py) on the tiny Qwen3.5 base, registers
+Starts two real vLLM CPU instances (tests/support/fleet_server.py) on the tiny Qwen3.5 base, registers
 `--repeats` versions of one adapter in a sqlite MLflow, and publishes them one after another
 while a client thread per instance streams greedy requests to the stable name. Per publish:
 - `serving`: from the `publish()` call until a 20 Hz poller of `GET /v1/models` sees the stable
@@ -30,8 +30,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fleet_server import VllmServer, start_all  # noqa: E402
-from tests.helpers import peft_adapter, write_project_config  # noqa: E402
+from tests.support.fleet_server import VllmServer, start_all  # noqa: E402
+from tests.support.helpers import peft_adapter, write_project_config  # noqa: E402
 
 
 def p95(xs: list[float]) -> float:
@@ -40,7 +40,8 @@ def p95(xs: list[float]) -> float:
 
 
 def register(cfg, base: Path, src: Path, name: str) -> int:
-    from pipeline.manifest import MANIFEST, file_hashes, write_json_atomic
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
     from pipeline.registry import register_adapter
     from pipeline.validate import FleetRules, validate_adapter
 
@@ -58,10 +59,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="work dir (default: a temp dir)")
     args = ap.parse_args()
 
-    import pipeline.fleet_rollout as fleet_rollout
+    import pipeline.fleet.rollout as fleet_rollout
     from pipeline.config import load_config
-    from pipeline.publish import publish
-    from pipeline.tinybase import build_tiny_base
+    from pipeline.dev.tinybase import build_tiny_base
+    from pipeline.release.publish import publish
 
     # Instrument (not change) the rollout: when publish() reaches it, and how long it takes.
     marks: dict[str, float] = {}

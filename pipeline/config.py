@@ -18,15 +18,13 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from pipeline.errors import ConfigError
+
 CONFIG_ENV = "PIPELINE_CONFIG"
 DEFAULT_CONFIG_NAME = "pipeline.yaml"
 
 # vLLM's accepted `--max-lora-rank` values (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-class ConfigError(Exception):
-    """The project config file is missing, unreadable or invalid."""
 
 
 class _Section(BaseModel):

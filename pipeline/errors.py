@@ -1,8 +1,18 @@
-"""Errors the CLI turns into a clear message and a non-zero exit code.
+"""The pipeline's one exception hierarchy.
 
-Exit codes (documented in README): 0 ok, 1 check failed (validation, gate, dataset),
-2 usage or input error, 3 another run holds the lock, 4 fleet did not converge,
-5 a gate kept the candidate from shipping (`pipeline run`).
+Every error a user can cause or meet derives from `PipelineError` and carries a message that
+says what is wrong, where (file, line, tensor, instance) and how to fix it. The CLI maps the
+classes below to exit codes in one place (`pipeline.cli._common.EXIT_CODES`; README "Exit
+codes"): a subclass inherits its parent's code.
+
+    PipelineError
+    ├── UsageError        2  bad input: unknown name/version/alias, missing file, bad flag
+    │   ├── ConfigError      pipeline.yaml (or its environment overrides) invalid
+    │   └── StoreError       the MLflow store is unreachable, locked or not a database
+    ├── CheckFailed       1  input read fine but failed a check (dataset, config, validation, training)
+    ├── LockedError       3  another operation holds the lock for this adapter / fleet
+    ├── FleetError        4  the fleet did not converge (publish undid itself)
+    └── GateFailed        5  `pipeline run`: registered, but a gate kept it from shipping
 """
 
 from __future__ import annotations
@@ -11,31 +21,36 @@ from __future__ import annotations
 class PipelineError(Exception):
     """A failure with a user-facing message: what is wrong, where, and how to fix it."""
 
-    exit_code = 2
-
 
 class UsageError(PipelineError):
-    exit_code = 2
+    """Bad input: an unknown model/version/alias, a missing file, an invalid option or name."""
+
+
+class ConfigError(UsageError):
+    """The project config file (`pipeline.yaml`) is missing, unreadable or invalid."""
+
+
+class StoreError(UsageError):
+    """The MLflow tracking/registry store cannot be used (unreachable, locked, wrong kind)."""
 
 
 class CheckFailed(PipelineError):
-    """Input was read fine but failed a check (dataset, validation, gate)."""
-
-    exit_code = 1
+    """Input was read fine but failed a check (dataset, training config, validation, training run)."""
 
 
 class LockedError(PipelineError):
-    exit_code = 3
+    """Another operation holds the lock (a `pipeline run` of the same adapter, a fleet operation)."""
 
 
 class FleetError(PipelineError):
-    exit_code = 4
+    """The fleet did not converge on the desired state; the message holds the per-instance report."""
 
 
 class GateFailed(PipelineError):
-    """The candidate was registered but a gate (validation, eval loss) kept it from shipping."""
+    """The candidate was registered but a gate (validation, eval loss, canary) kept it from shipping.
 
-    exit_code = 5
+    `outcome` is the `pipeline.jobs.run.RunOutcome` printed as the job's last JSON line.
+    """
 
     def __init__(self, message: str, outcome=None):
         super().__init__(message)

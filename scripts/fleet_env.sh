@@ -32,9 +32,9 @@ rm -f "$PINS"
 "$VENV/bin/python" -m pip uninstall -y -q torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 # torchvision stays: transformers' Qwen2-VL image processor, and so vLLM's Qwen3.5
 # model module, import it. Its C ops cannot load with the CPU torch;
-# pipeline/fleet_launcher.py guards the fake-op registration that would fail.
+# tests/support/vllm_cpu_launcher.py guards the fake-op registration that would fail.
 # Sanity check (with the launcher's patches): CPU torch and model classes import.
-FLEET_LAUNCHER="$REPO/pipeline/fleet_launcher.py" "$VENV/bin/python" - <<'PY'
+FLEET_LAUNCHER="$REPO/tests/support/vllm_cpu_launcher.py" "$VENV/bin/python" - <<'PY'
 import os, runpy
 runpy.run_path(os.environ["FLEET_LAUNCHER"], run_name="_fleet_check")
 import torch, transformers, peft

@@ -19,7 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import runpy  # noqa: E402
 
 runpy.run_path(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pipeline", "fleet_launcher.py"),
+    os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support", "vllm_cpu_launcher.py"
+    ),
     run_name="_fleet_launcher_patches",
 )
 

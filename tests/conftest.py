@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, write_project_config
+from tests.support.helpers import REPO, write_project_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
@@ -19,14 +19,14 @@ os.environ.pop("PIPELINE_CONFIG", None)
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
-    from pipeline.tinybase import build_tiny_base
+    from pipeline.dev.tinybase import build_tiny_base
 
     return build_tiny_base(tmp_path_factory.mktemp("base") / "tiny-base")
 
 
 @pytest.fixture(scope="session")
 def tiny_vl_base(tmp_path_factory) -> Path:
-    from pipeline.tinybase import build_tiny_base
+    from pipeline.dev.tinybase import build_tiny_base
 
     return build_tiny_base(tmp_path_factory.mktemp("base-vl") / "tiny-base-vl", layout="vl")
 
@@ -48,7 +48,7 @@ def trained(tmp_path_factory, tiny_base):
     Returns (ProjectConfig, TrainResult). Session-scoped: ~60-100 s on 2 cores.
     """
     from pipeline.config import load_config
-    from pipeline.train import train
+    from pipeline.train.launch import train
 
     root = tmp_path_factory.mktemp("trained")
     cfg = load_config(write_project_config(root))

@@ -8,7 +8,7 @@ ngram speculative decoding, because on this vLLM CPU build
   test about bf16 kernels, not about the canary. Qwen3 in float32 matches PEFT exactly (base and
   adapter: 128/128 tokens, logprob diff 0.0), with speculative decoding on.
 The instance runs with `--lora-target-modules q_proj k_proj v_proj o_proj` and `--max-num-seqs 1`.
-Adapters: `tests.helpers.peft_adapter` with lora_B ~ N(0, 0.3), so the adapter clearly changes output.
+Adapters: `tests.support.helpers.peft_adapter` with lora_B ~ N(0, 0.3), so the adapter clearly changes output.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tests.fleet_server import VllmServer, fleet_env_available
-from tests.helpers import REPO, peft_adapter, write_project_config
+from tests.support.fleet_server import VllmServer, fleet_env_available
+from tests.support.helpers import REPO, peft_adapter, write_project_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,7 +40,7 @@ def tiny_qwen3(out: Path) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipeline.tinybase import build_tokenizer
+    from pipeline.dev.tinybase import build_tokenizer
 
     out.mkdir(parents=True)
     tok = build_tokenizer(out)
@@ -63,7 +63,8 @@ def tiny_qwen3(out: Path) -> Path:
 
 
 def with_manifest(d: Path, base: Path) -> Path:
-    from pipeline.manifest import MANIFEST, file_hashes, write_json_atomic
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
 
     write_json_atomic(
         d / MANIFEST, {"schema": 1, "name": d.name, "files": file_hashes(d), "base_model": {"id": str(base)}}

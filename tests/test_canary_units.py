@@ -28,7 +28,7 @@ vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="/m"} 0.04
 
 
 def test_prometheus_counters_and_delta():
-    from pipeline import prom
+    from pipeline.canary import prom
 
     before = prom.counters(METRICS)
     assert before[prom.SPEC_DRAFTS] == 10 and before[prom.SPEC_ACCEPTED] == 21
@@ -43,7 +43,7 @@ def test_prometheus_counters_and_delta():
 
 def test_compare_counts_ties_and_first_divergence():
     from pipeline.canary import EngineOutput, Prompt, compare
-    from pipeline.canary_reference import PositionScore
+    from pipeline.canary.reference import PositionScore
 
     prompts = [Prompt("a", [1, 2]), Prompt("b", [3])]
     outs = [EngineOutput([5, 6, 7], [{5: -1.0}, {6: -2.0}, {7: -1.0}]), EngineOutput([8], [{8: -0.5}])]
@@ -63,8 +63,8 @@ def test_compare_counts_ties_and_first_divergence():
 
 
 def test_reference_uses_the_tensors_rank(tmp_path, tiny_base):
-    from pipeline.canary_reference import rank_mismatches, trained_rank_copy
-    from tests.helpers import peft_adapter
+    from pipeline.canary.reference import rank_mismatches, trained_rank_copy
+    from tests.support.helpers import peft_adapter
 
     d = peft_adapter(tiny_base, tmp_path / "a", r=8, alpha=16, targets=["q_proj", "v_proj"])
     assert rank_mismatches(d) == [] and trained_rank_copy(d, tmp_path)[0] == d

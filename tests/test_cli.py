@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 def test_help_does_not_import_heavy_libraries():

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pipeline.dataset import check_datasets
-from tests.helpers import REPO
+from pipeline.train.dataset import check_datasets
+from tests.support.helpers import REPO
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -9,9 +9,9 @@ is the command we hand to axolotl and that axolotl's own schema accepts the merg
 
 import sys
 
-from pipeline.train import launcher_command
-from pipeline.training_config import load_training_config
-from tests.helpers import REPO
+from pipeline.train.config import load_training_config
+from pipeline.train.launch import launcher_command
+from tests.support.helpers import REPO
 
 
 def test_launcher_commands(tmp_path):

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from pipeline.config import load_config
 from pipeline.errors import LockedError, UsageError
-from pipeline.fleet_rollout import resolver_layout_problems, status
-from pipeline.fleet_state import FleetState, fleet_lock, load_state, save_state, state_path
-from tests.fleet_server import free_port
-from tests.helpers import write_project_config
+from pipeline.fleet.rollout import resolver_layout_problems, status
+from pipeline.fleet.state import FleetState, fleet_lock, load_state, save_state, state_path
+from tests.support.fleet_server import free_port
+from tests.support.helpers import write_project_config
 
 
 def _cfg(tmp_path, **fleet):
@@ -125,10 +125,10 @@ def test_rollback_without_a_fleet_uses_the_registry_aliases(tmp_path, monkeypatc
     """No instances and no fleet-state.json: rollback moves `production` back via the aliases."""
     from pipeline import registry
     from pipeline.config import load_config
-    from pipeline.fleet_rollout import rollback
-    from pipeline.publish import publish
-    from tests.helpers import write_project_config
-    from tests.registry_support import adapter_with_manifest, register
+    from pipeline.fleet.rollout import rollback
+    from pipeline.release.publish import publish
+    from tests.support.helpers import write_project_config
+    from tests.support.registry_support import adapter_with_manifest, register
 
     cfg = load_config(write_project_config(tmp_path))
     for seed in (0, 1):

@@ -1,6 +1,6 @@
 """Publish, kill/restart, sync and rollback against two REAL vLLM CPU instances on 127.0.0.1.
 
-Base: the tiny Qwen3.5 hybrid from `pipeline.tinybase` (hidden 128, 4 heads of 64, linear head
+Base: the tiny Qwen3.5 hybrid from `pipeline.dev.tinybase` (hidden 128, 4 heads of 64, linear head
 dims 128: vLLM's CPU build serves it). Adapters: random PEFT LoRAs (`tests/helpers.peft_adapter`)
 registered in a real sqlite MLflow, published through `pipeline publish`. The instances see the
 volume at its real path (volume_mount = volume path). Both instances start once per module,
@@ -18,8 +18,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tests.fleet_server import VllmServer, fleet_env_available
-from tests.helpers import peft_adapter, write_project_config
+from tests.support.fleet_server import VllmServer, fleet_env_available
+from tests.support.helpers import peft_adapter, write_project_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -71,7 +71,8 @@ def fleet(tmp_path_factory, tiny_base):
 
 def _register(fleet, name: str, seed: int, **kw) -> int:
     """A PEFT adapter with a manifest, validated and registered; returns its version number."""
-    from pipeline.manifest import MANIFEST, file_hashes, write_json_atomic
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
     from pipeline.registry import register_adapter
     from pipeline.validate import FleetRules, validate_adapter
 

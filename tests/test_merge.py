@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from pipeline.artifacts.manifest import verify_files
+from pipeline.artifacts.safetensors import raw_header
 from pipeline.cli import app
-from pipeline.manifest import verify_files
-from pipeline.merge import INDEX, MergeMismatch, merge_adapter, raw_header
-from tests.helpers import REPO, peft_adapter
+from pipeline.merge import INDEX, MergeMismatch, merge_adapter
+from tests.support.helpers import REPO, peft_adapter
 
 runner = CliRunner()
 
@@ -245,7 +246,7 @@ def test_exception_mid_merge_cleans_up(tiny_vl_base, adapter, tmp_path, monkeypa
 
 def test_parity_gate_catches_a_wrong_merge(tiny_base, adapter, tmp_path):
     """Negative control: the base itself posing as the merge fails the gate by a wide margin."""
-    from pipeline.merge_parity import check_parity
+    from pipeline.merge.parity import check_parity
 
     v = check_parity(
         tiny_base, adapter, tiny_base, prompts=["Call the get_weather tool."], max_new_tokens=2, threads=1
@@ -256,7 +257,9 @@ def test_parity_gate_catches_a_wrong_merge(tiny_base, adapter, tmp_path):
 
 
 def test_mismatch_is_a_check_failure():
-    assert MergeMismatch.exit_code == 1
+    from pipeline.cli._common import exit_code_for
+
+    assert exit_code_for(MergeMismatch("x")) == 1
 
 
 def test_saved_embedding_copy_that_differs_from_base_is_refused(tiny_base, pattern_adapter, tmp_path):

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pipeline.manifest import read_manifest, verify_files
-from tests.helpers import REPO
+from pipeline.artifacts.manifest import read_manifest, verify_files
+from tests.support.helpers import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_train_leaves_adapter_and_manifest(trained, tiny_base):
 
 def test_validate_register_publish(trained, tiny_base, monkeypatch):
     from pipeline import registry
-    from pipeline.publish import publish
+    from pipeline.release.publish import publish
     from pipeline.validate import validate_adapter
 
     cfg, res = trained
@@ -112,9 +112,10 @@ def test_failing_version_is_not_published(trained, tiny_base, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from pipeline import registry
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
     from pipeline.errors import CheckFailed
-    from pipeline.manifest import MANIFEST, file_hashes, write_json_atomic
-    from pipeline.publish import publish
+    from pipeline.release.publish import publish
     from pipeline.validate import validate_adapter
 
     cfg, res = trained

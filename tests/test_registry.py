@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from pipeline import registry
 from pipeline.errors import UsageError
-from tests import registry_support
-from tests.registry_support import free_port, register
+from tests.support import registry_support
+from tests.support.registry_support import free_port, register
 
 # session fixtures shared by the tests/test_registry*.py modules
 registry_project = registry_support.registry_project
@@ -34,8 +34,8 @@ def _names(prefix: str) -> str:
 @pytest.mark.slow
 def test_lineage_dataset_run_model_version(trained, tiny_base):
     """dataset digest -> run (params, per-step metrics, throughput, artifacts) -> LoggedModel -> version."""
-    from pipeline.dataset import sha256_file
-    from pipeline.manifest import read_manifest
+    from pipeline.artifacts.hashing import sha256_file
+    from pipeline.artifacts.manifest import read_manifest
 
     cfg, res = trained
     name = _names("lineage")
@@ -95,7 +95,7 @@ def test_lineage_dataset_run_model_version(trained, tiny_base):
 # -- aliases and events ----------------------------------------------------------------------------------
 def test_aliases_move_on_publish_promote_and_rollback(registry_project, two_adapters, tiny_base):
     from pipeline.cli import app
-    from pipeline.publish import publish
+    from pipeline.release.publish import publish
 
     cfg = registry_project
     name = _names("aliases")
@@ -179,7 +179,7 @@ def test_failed_validation_is_registered_but_never_promoted(registry_project, tw
 
 # -- follow the alias ---------------------------------------------------------------------------------
 def _follow_in_thread(cfg, name, interval, **kw):
-    from pipeline.follow import follow_alias
+    from pipeline.jobs.follow import follow_alias
 
     shipped: list = []
     got = threading.Event()
@@ -209,8 +209,8 @@ def _follow_in_thread(cfg, name, interval, **kw):
 
 
 def test_follow_alias_publishes_within_one_poll_interval(registry_project, two_adapters, tiny_base):
-    from pipeline.follow import follow_alias
-    from pipeline.publish import publish
+    from pipeline.jobs.follow import follow_alias
+    from pipeline.release.publish import publish
 
     cfg = registry_project
     name = _names("follow")
@@ -243,8 +243,8 @@ def test_follow_alias_publishes_within_one_poll_interval(registry_project, two_a
 def test_follow_alias_catches_up_after_downtime_and_skips_failing_versions(
     registry_project, two_adapters, tiny_base
 ):
-    from pipeline.follow import follow_alias
-    from pipeline.publish import publish
+    from pipeline.jobs.follow import follow_alias
+    from pipeline.release.publish import publish
     from pipeline.validate import validate_adapter
 
     cfg = registry_project
@@ -271,8 +271,8 @@ def test_follow_alias_catches_up_after_downtime_and_skips_failing_versions(
 def test_webhook_wakes_the_follower_and_bad_signatures_are_refused(registry_project, two_adapters, tiny_base):
     from mlflow.webhooks.delivery import _generate_hmac_signature  # MLflow's own signing
 
-    from pipeline.follow import WebhookReceiver
-    from pipeline.publish import publish
+    from pipeline.jobs.follow import WebhookReceiver
+    from pipeline.release.publish import publish
 
     cfg = registry_project
     name = _names("hook")
@@ -322,7 +322,7 @@ def test_using_one_store_does_not_redirect_the_next_config(registry_project, tmp
     """Regression: mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI, which the config prefers,
     so every later config in the process (and its child processes) used the first store."""
     from pipeline.config import load_config
-    from tests.helpers import write_project_config
+    from tests.support.helpers import write_project_config
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     registry.experiment_id(registry_project)
@@ -335,7 +335,7 @@ def test_using_one_store_does_not_redirect_the_next_config(registry_project, tmp
 def test_status_survives_an_unreachable_fleet(registry_project, two_adapters, tiny_base):
     """The fleet column comes from the instances; one that refuses connections is reported, not fatal."""
     from pipeline.config import Instance
-    from pipeline.status import collect, render
+    from pipeline.release.status import collect, render
 
     cfg = registry_project.model_copy(deep=True)
     cfg.fleet.instances = [Instance(name="i0", url=f"http://127.0.0.1:{free_port()}")]
@@ -361,7 +361,7 @@ def test_fleet_sync_follow_alias_cli_ships_the_moved_alias(registry_project, two
     import subprocess
     import sys
 
-    from pipeline.publish import publish
+    from pipeline.release.publish import publish
 
     cfg = registry_project
     name = _names("cli-follow")

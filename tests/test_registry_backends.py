@@ -15,10 +15,10 @@ import sys
 import pytest
 
 from pipeline import registry
-from tests.helpers import write_project_config
-from tests.registry_support import Postgres, pg_bin, run_parallel, two_adapters
+from tests.support.helpers import write_project_config
+from tests.support.registry_support import Postgres, pg_bin, run_parallel, two_adapters
 
-two_adapters = two_adapters  # session fixture from tests/registry_support.py
+two_adapters = two_adapters  # session fixture from tests/support/registry_support.py
 
 N_PROCS = 4
 
@@ -59,8 +59,8 @@ def _register_concurrently(cfg, adapters, base, name: str, tmp_path) -> list[int
 
 def _flow(cfg, adapters, base, name: str, tmp_path) -> None:
     """Concurrent registration, then publish / promote / rollback / follow against `cfg`'s store."""
-    from pipeline.follow import follow_alias
-    from pipeline.publish import publish
+    from pipeline.jobs.follow import follow_alias
+    from pipeline.release.publish import publish
 
     assert _register_concurrently(cfg, adapters, base, name, tmp_path) == list(range(1, N_PROCS + 1))
     client = registry._mlflow(cfg).MlflowClient()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
-from tests.registry_support import register
+from tests.support.helpers import REPO
+from tests.support.registry_support import register
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Flags for Debian chromium as root in a closed network (the machines' notes): without the
@@ -38,8 +38,9 @@ def test_model_version_page_shows_production_alias_tags_and_source_run(trained, 
     )
     if not CHROMIUM.exists():
         pytest.skip("Debian chromium not installed (/usr/bin/chromium): run `bash scripts/ci_deps.sh`")
-    from pipeline import registry, ui
-    from pipeline.publish import publish
+    from pipeline import registry
+    from pipeline.registry import ui
+    from pipeline.release.publish import publish
 
     cfg, res = trained
     name = f"ui-agent-{uuid.uuid4().hex[:6]}"

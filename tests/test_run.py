@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import registry
 from pipeline.config import load_config
-from tests.helpers import REPO, write_project_config
+from tests.support.helpers import REPO, write_project_config
 
 pytestmark = pytest.mark.slow
 TINY = REPO / "axolotl_configs" / "tiny-cpu.yml"

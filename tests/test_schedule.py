@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from pipeline.schedule import ScheduleSpec, cronjob, emit
-from tests.helpers import REPO
+from pipeline.jobs.schedule import ScheduleSpec, cronjob, emit
+from tests.support.helpers import REPO
 
 
 def spec(**kw):

@@ -3,8 +3,8 @@
 import pytest
 
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.training_config import check_training_config, load_training_config, servability_problems
-from tests.helpers import REPO
+from pipeline.train.config import check_training_config, load_training_config, servability_problems
+from tests.support.helpers import REPO
 
 TINY = REPO / "axolotl_configs" / "tiny-cpu.yml"
 
@@ -83,7 +83,7 @@ def test_unparseable_override_value():
 
 def test_axolotl_schema_refusal_before_anything_is_written(tmp_path):
     """axolotl's own validation runs in-process before a run directory or MLflow run exists."""
-    from pipeline.train import check_axolotl_schema
+    from pipeline.train.launch import check_axolotl_schema
 
     check_axolotl_schema(
         load_training_config(TINY, [f"base_model={tmp_path}"])

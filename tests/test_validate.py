@@ -1,6 +1,6 @@
 """Static validation: one failing fixture per check, each made from the tiny base at test time.
 
-Every fixture is a copy of one good PEFT adapter (tests/helpers.py:peft_adapter on the tiny
+Every fixture is a copy of one good PEFT adapter (tests/support/helpers.py:peft_adapter on the tiny
 text base) with one edit to its config or safetensors; validation runs against the tiny
 vision-language-layout base (so the text/VL key mapping is exercised on every test) and,
 where a test says so, a tiny NVFP4 ModelOpt-like served checkpoint built from it.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.validate import FleetRules, fleet_applies, validate_adapter
-from tests.helpers import peft_adapter
+from tests.support.helpers import peft_adapter
 
 W = "adapter_model.safetensors"
 C = "adapter_config.json"
@@ -29,7 +29,7 @@ def good_adapter(tmp_path_factory, tiny_base) -> Path:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory, tiny_vl_base) -> Path:
-    from pipeline.tinybase import build_tiny_served
+    from pipeline.dev.tinybase import build_tiny_served
 
     return build_tiny_served(tiny_vl_base, tmp_path_factory.mktemp("served") / "tiny-nvfp4")
 
@@ -419,7 +419,7 @@ def test_resolver_base_is_info_before_publish_rewrites_it(adapter, tiny_vl_base)
 
 
 def test_alpha_pattern_and_rank_pattern_are_honoured(adapter, good_adapter, tiny_vl_base):
-    from pipeline.adapter import load_adapter_config
+    from pipeline.artifacts.adapter import load_adapter_config
 
     # rank_pattern keyed by the PEFT module name matches the tensors; alpha_pattern sets down_proj's scale.
     edit_config(
@@ -499,7 +499,7 @@ def test_served_checks(adapter, tiny_vl_base, served, tmp_path):
 
 
 def test_tiny_served_checkpoint_is_nvfp4_shaped(served):
-    from pipeline.checkpoint import logical_linear_shape, quant_algo, read_checkpoint
+    from pipeline.artifacts.checkpoint import logical_linear_shape, quant_algo, read_checkpoint
 
     ck = read_checkpoint(served)
     assert quant_algo(ck) == "NVFP4" and ck.layout == "text"
@@ -516,7 +516,7 @@ def test_tiny_served_checkpoint_is_nvfp4_shaped(served):
 def test_nvfp4_quantisation_round_trips():
     import torch
 
-    from pipeline.tinybase import E2M1_GRID, quantize_nvfp4
+    from pipeline.dev.tinybase import E2M1_GRID, quantize_nvfp4
 
     w = torch.randn(4, 32)
     packed, scale, scale2 = quantize_nvfp4(w)

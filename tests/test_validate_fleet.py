@@ -1,7 +1,7 @@
 """Validation against what the fleet serves: tokenizer, chat template, rsLoRA normalisation,
 behaviour (peft + transformers on CPU), the CLI's exit codes, and the publish gate.
 
-Fixtures are built from the tiny base at test time (tests/helpers.py, pipeline.tinybase).
+Fixtures are built from the tiny base at test time (tests/support/helpers.py, pipeline.dev.tinybase).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.validate import FleetRules, validate_adapter
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 from tests.test_validate import edit_config, edit_tensors, good_adapter, only, served  # noqa: F401 (fixtures)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -49,7 +49,7 @@ def test_added_token_is_refused(adapter, tiny_vl_base, served):  # noqa: F811
 
 
 def test_other_vocabulary_is_refused(adapter, tiny_vl_base, served, tmp_path):  # noqa: F811
-    from pipeline.tinybase import build_tokenizer
+    from pipeline.dev.tinybase import build_tokenizer
 
     (tmp_path / "other-corpus").mkdir()
     (tmp_path / "other-corpus" / "a.jsonl").write_text("zebra quokka xylophone " * 50 + "\n")
@@ -59,7 +59,7 @@ def test_other_vocabulary_is_refused(adapter, tiny_vl_base, served, tmp_path):  
 
 
 def test_template_divergence_names_conversation_and_context(adapter, tiny_vl_base, tmp_path):
-    from pipeline.tinybase import build_tiny_served, chat_template_text
+    from pipeline.dev.tinybase import build_tiny_served, chat_template_text
 
     drifted = chat_template_text().replace("'\\n<tool_response>\\n'", "'<tool_response>'")
     assert drifted != chat_template_text()
@@ -99,9 +99,9 @@ def test_training_template_comes_from_the_resolved_axolotl_config(
 
 # -- rsLoRA normalisation --------------------------------------------------------------------------------------------
 def test_fold_rslora_keeps_every_scale(adapter, tiny_vl_base):
-    from pipeline.adapter import load_adapter_config
-    from pipeline.manifest import file_hashes, read_manifest, verify_files
-    from pipeline.normalise import module_names, scale_table
+    from pipeline.artifacts.adapter import load_adapter_config
+    from pipeline.artifacts.manifest import file_hashes, read_manifest, verify_files
+    from pipeline.validate.normalise import module_names, scale_table
 
     edit_config(
         adapter, use_rslora=True, alpha_pattern={"down_proj": 64, "model.layers.3.self_attn.q_proj": 4}
@@ -128,7 +128,7 @@ def test_fold_rslora_keeps_every_scale(adapter, tiny_vl_base):
 
 
 def test_fold_handles_overlapping_patterns():
-    from pipeline.normalise import fold_config, scale_table
+    from pipeline.validate.normalise import fold_config, scale_table
 
     raw = {
         "r": 8,
@@ -180,7 +180,7 @@ def test_behaviour_passes_for_an_adapter_that_fits_the_data(tiny_base, tmp_path,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.behaviour import _assistant_mask, _conversations
+    from pipeline.validate.behaviour import _assistant_mask, _conversations
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
@@ -225,9 +225,9 @@ def test_cli_exit_codes(project, adapter, tiny_vl_base, served):  # noqa: F811
 
 def test_publish_refuses_a_registered_adapter_that_failed_validation(project, adapter, tiny_vl_base):
     from pipeline import registry
+    from pipeline.artifacts.manifest import file_hashes
     from pipeline.errors import CheckFailed
-    from pipeline.manifest import file_hashes
-    from pipeline.publish import publish
+    from pipeline.release.publish import publish
 
     edit_tensors(
         adapter,

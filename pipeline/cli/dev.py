@@ -1,0 +1,43 @@
+"""`pipeline dev ...` (tiny models for demos and tests) and `pipeline demo` (the main job end to end)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli._common import project_config
+from pipeline.dev.demo import run_demo
+from pipeline.dev.tinybase import build_tiny_base
+
+app = typer.Typer(help="Developer tools: tiny models for demos and tests.", no_args_is_help=True)
+demo_app = typer.Typer()
+
+
+class Layout(StrEnum):
+    text = "text"  # Qwen3_5ForCausalLM, keys model.layers.N
+    vl = "vl"  # the real checkpoint layout: model.language_model.layers.N, mtp.*, visual.*
+
+
+@app.command("tiny-base")
+def tiny_base(
+    out: Annotated[Path, typer.Argument(help="directory to write (replaced)")],
+    layout: Annotated[
+        Layout, typer.Option(help="text (Qwen3_5ForCausalLM) or vl (real checkpoint layout + mtp.*)")
+    ] = Layout.text,
+    seed: int = 0,
+):
+    """Build a tiny random-weight Qwen3.5 base with a local tokenizer and chat template."""
+    build_tiny_base(out, layout=layout.value, seed=seed)
+    typer.echo(f"wrote tiny {layout.value} base to {out}")
+
+
+@demo_app.command()
+def demo(
+    name: Annotated[str, typer.Option(help="adapter name")] = "agent-tools",
+    config: Annotated[Path, typer.Option(help="axolotl config")] = Path("axolotl_configs/tiny-cpu.yml"),
+):
+    """Run the main job on the embedded default: tiny base, train, validate, register, publish."""
+    run_demo(project_config(), name=name, axolotl_config=config, echo=typer.echo)

@@ -1,0 +1,119 @@
+"""`pipeline fleet status|sync|prune`: what each vLLM instance serves, reconcile, prune old versions.
+
+Exit codes: 0 converged, 2 usage, 3 another fleet operation holds the lock, 4 not converged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+
+from pipeline.cli._common import JsonOption, exit_as, project_config
+from pipeline.errors import FleetError, LockedError
+from pipeline.fleet.rollout import prune as fleet_prune
+from pipeline.fleet.rollout import status as fleet_status
+from pipeline.fleet.rollout import sync as fleet_sync
+from pipeline.jobs.follow import follow_alias as follow
+
+app = typer.Typer(help="The vLLM fleet: what it serves, reconcile, prune old versions.", no_args_is_help=True)
+
+
+def print_reports(reports, as_json: bool = False) -> None:
+    """Per-instance reports of a fleet operation, as text lines or one JSON list."""
+    if as_json:
+        typer.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        for r in reports:
+            typer.echo(r.line())
+
+
+@app.command("status")
+def status(as_json: JsonOption = False):
+    """Per instance: what it serves against the desired state (ok, missing, stale, unknown, unreachable).
+
+    Exit 0 when every instance serves every desired version, else 4.
+    """
+    cfg = project_config()
+    rows = fleet_status(cfg)
+    if as_json:
+        typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"fleet ({cfg.fleet.loading_mode} mode, state {cfg.volume.path}/fleet-state.json)")
+        for col in ("instance", "adapter", "desired", "serving", "state", "detail"):
+            t.add_column(col, overflow="fold")
+        colors = {"ok": "green", "missing": "yellow", "stale": "yellow", "unknown": "cyan"}
+        for r in rows:
+            t.add_row(
+                r.instance,
+                r.adapter or "-",
+                f"v{r.desired}" if r.desired else "-",
+                r.serving or "-",
+                f"[{colors.get(r.state, 'red')}]{r.state}[/]",
+                r.detail,
+            )
+        Console().print(t)
+    exit_as(FleetError, any(r.state not in ("ok", "unknown") for r in rows))
+
+
+@app.command("sync")
+def sync(
+    watch: Annotated[bool, typer.Option("--watch", help="keep reconciling (sidecar / daemon)")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="seconds between passes with --watch")] = 30.0,
+    as_json: JsonOption = False,
+    follow_alias: Annotated[
+        str | None,
+        typer.Option(
+            "--follow-alias",
+            help="also poll the MLflow registry and publish when this alias moves (e.g. production)",
+        ),
+    ] = None,
+):
+    """Make every instance serve the desired versions (idempotent). Exit 0 converged, 4 not.
+
+    With --follow-alias, moving the alias in the MLflow UI ships that version (polled every --interval).
+    """
+    if follow_alias:
+        cfg = project_config()
+        published = follow(
+            cfg,
+            follow_alias,
+            interval,
+            once=not watch,
+            on_poll=(lambda: print_reports(fleet_sync(cfg), as_json)) if cfg.fleet.instances else None,
+            echo=lambda m: typer.echo(m, err=True),
+        )
+        if not watch:
+            typer.echo(f"published {len(published)} version(s) following alias {follow_alias!r}")
+        return
+    while True:
+        try:
+            reports = fleet_sync(project_config())
+        except LockedError as e:
+            if not watch:
+                raise
+            typer.echo(f"skipped pass: {e}", err=True)
+            reports = None
+        if reports is not None:
+            print_reports(reports, as_json)
+        ok = reports is not None and all(r.ok for r in reports)
+        if not watch:
+            exit_as(FleetError, not ok)
+        time.sleep(interval)
+
+
+@app.command("prune")
+def prune(
+    name: Annotated[str, typer.Argument(help="adapter name")],
+    keep: Annotated[int, typer.Option("--keep", help="newest version directories to keep")] = 2,
+    force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
+):
+    """Delete <volume>/<NAME>-v<K> directories beyond the newest --keep (never the desired version)."""
+    removed = fleet_prune(project_config(), name, keep, force)
+    typer.echo("\n".join(f"removed {p}" for p in removed) if removed else "nothing to prune")

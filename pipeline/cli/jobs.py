@@ -1,0 +1,95 @@
+"""Jobs a scheduler or a sidecar runs: `pipeline run` and `pipeline follow-alias`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli._common import err, exit_code_for, project_config
+from pipeline.errors import GateFailed, UsageError
+from pipeline.jobs.follow import WebhookReceiver, follow_alias
+from pipeline.jobs.run import run
+
+app = typer.Typer()
+
+
+@app.command("run")
+def run_cmd(
+    config: Annotated[Path, typer.Argument(help="axolotl YAML")],
+    name: Annotated[str | None, typer.Option(help="adapter name (default: config stem)")] = None,
+    force: Annotated[bool, typer.Option(help="train even if the inputs are unchanged")] = False,
+    set_: Annotated[list[str], typer.Option("--set", help="override a config key: key=value")] = [],
+    overlay: Annotated[
+        list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
+    ] = [],
+    allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
+):
+    """Retrain if inputs changed, validate, register, gate, publish. Last line: one JSON object.
+
+    Exit codes: 0 published or skipped, 1 check failed, 2 usage, 3 locked, 4 fleet, 5 gated.
+    """
+    try:
+        out = run(
+            project_config(),
+            config,
+            name=name,
+            force=force,
+            overrides=set_,
+            overlays=overlay,
+            allow=set(allow),
+            echo=lambda m: typer.echo(m, err=True),
+            show_progress=sys.stderr.isatty(),
+        )
+    except GateFailed as e:
+        err(str(e))
+        typer.echo(e.outcome.to_json())
+        raise typer.Exit(exit_code_for(e)) from None
+    except Exception as e:
+        code = exit_code_for(e)
+        if code is None:
+            raise
+        err(str(e))
+        status = "locked" if code == 3 else "failed"
+        typer.echo(json.dumps({"status": status, "reason": str(e).splitlines()[0], "exit_code": code}))
+        raise typer.Exit(code) from None
+    typer.echo(out.to_json())
+
+
+@app.command("follow-alias")
+def follow_alias_cmd(
+    alias: Annotated[str, typer.Argument(help="alias to follow")] = "production",
+    interval: Annotated[float, typer.Option(help="seconds between registry polls")] = 30.0,
+    once: Annotated[bool, typer.Option(help="poll once and exit")] = False,
+    name: Annotated[list[str] | None, typer.Option("--name", help="models to follow (default: all)")] = None,
+    webhook_port: Annotated[
+        int | None, typer.Option(help="also take MLflow webhooks on 127.0.0.1:PORT")
+    ] = None,
+    webhook_host: Annotated[str, typer.Option(help="webhook listen address")] = "127.0.0.1",
+    webhook_secret_env: Annotated[
+        str, typer.Option(help="env var holding the webhook's HMAC secret")
+    ] = "PIPELINE_WEBHOOK_SECRET",
+):
+    """Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
+    cfg = project_config()
+    wake = threading.Event()
+    ctx = contextlib.nullcontext()
+    if webhook_port is not None:
+        secret = os.environ.get(webhook_secret_env, "")
+        if not secret:
+            raise UsageError(f"--webhook-port needs the HMAC secret in ${webhook_secret_env}")
+        ctx = WebhookReceiver(webhook_host, webhook_port, secret, wake, alias=alias)
+        typer.echo(f"webhook receiver: {ctx.url}")
+    with ctx:
+        try:
+            done = follow_alias(cfg, alias, interval, once, names=name or None, echo=typer.echo, wake=wake)
+        except KeyboardInterrupt:
+            return
+    if once:
+        typer.echo(f"published {len(done)} version(s)")

@@ -1,0 +1,106 @@
+"""`pipeline merge`: fold a LoRA into the bf16 base (streamed) and gate it on parity with peft."""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline import registry
+from pipeline.artifacts.manifest import read_manifest
+from pipeline.cli._common import project_config
+from pipeline.errors import UsageError
+from pipeline.merge import merge_adapter, registered_version
+from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
+
+app = typer.Typer()
+
+
+class Dtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class ParityMode(StrEnum):
+    auto = "auto"  # small text-layout bases only
+    on = "on"
+    off = "off"
+
+
+@app.command()
+def merge(
+    adapter: Annotated[
+        Path, typer.Argument(help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    ],
+    base: Annotated[Path, typer.Option(help="bf16 base checkpoint directory (safetensors shards)")],
+    out: Annotated[Path, typer.Option(help="new directory for the merged checkpoint (must not exist)")],
+    dtype: Annotated[Dtype, typer.Option(help="dtype of the merged weights")] = Dtype.bfloat16,
+    parity: Annotated[
+        ParityMode, typer.Option(help="parity gate vs peft: auto (small text-layout bases), on, off")
+    ] = ParityMode.auto,
+    name: Annotated[str | None, typer.Option(help="registered model name to tag with the verdict")] = None,
+    version: Annotated[
+        int | None, typer.Option(help="registered model version to tag with the verdict")
+    ] = None,
+    hash_files: Annotated[
+        bool, typer.Option("--hash/--no-hash", help="sha256 of every output file in manifest.json")
+    ] = True,
+    progress: Annotated[bool, typer.Option(help="progress bar per shard (on a terminal)")] = True,
+    threads: Annotated[
+        int, typer.Option(help="torch threads for the merge arithmetic (0: torch default)")
+    ] = 1,
+):
+    """Merge ADAPTER into --base, writing --out atomically. Exit 0 ok, 1 mismatch/parity failed, 2 bad input."""
+    if (name is None) != (version is None):
+        raise UsageError("give both --name and --version (or neither)")
+    target = {"name": name, "version": version} if name else None
+    if target is None:
+        try:
+            target = registered_version(read_manifest(adapter))
+        except (FileNotFoundError, ValueError):
+            target = None
+    gate = parity_gate(base, adapter, dtype.value, parity.value)
+    try:
+        res = merge_adapter(
+            adapter,
+            base,
+            out,
+            dtype=dtype.value,
+            progress=progress and sys.stderr.isatty(),
+            hash_files=hash_files,
+            finalize=gate,
+            threads=threads or None,
+        )
+    except ParityFailed as e:
+        if target:
+            _tag(target, {"parity": e.verdict}, out, explicit=name is not None)
+        raise
+    if target:
+        _tag(target, res.manifest, out, explicit=name is not None)
+    m, p = res.manifest["merge"], res.manifest["parity"]
+    detail = (
+        f"max |diff| {p['max_abs_diff']:.3g} <= {p['tolerance']:.3g}, greedy equal {p['greedy_equal']}, {p['seconds']} s"
+        if p["verdict"] != "skipped"
+        else p["reason"]
+    )
+    typer.echo(
+        f"merged {m['merged_modules']}/{m['lora_pairs']} LoRA modules into {res.out} "
+        f"({res.bytes_written / 1e9:.2f} GB, {res.seconds:.1f} s, "
+        f"{res.bytes_written / 1e6 / max(res.seconds, 1e-9):.0f} MB/s); parity {p['verdict']}: {detail}"
+    )
+
+
+def _tag(target: dict, manifest: dict, out: Path, explicit: bool) -> None:
+    """Put the verdict on the MLflow version; a version named only by the adapter's manifest is best effort."""
+    try:
+        registry.set_version_tags(
+            project_config(), target["name"], int(target["version"]), parity_tags(manifest, out)
+        )
+    except Exception as e:
+        if explicit:
+            raise
+        typer.echo(f"warning: could not tag {target['name']} v{target['version']} in MLflow: {e}", err=True)

@@ -1,0 +1,67 @@
+"""Release commands: `pipeline publish`, `pipeline promote`, `pipeline rollback`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pipeline.cli._common import exit_as, project_config
+from pipeline.cli.fleet import print_reports
+from pipeline.errors import FleetError
+from pipeline.fleet.rollout import rollback as fleet_rollback
+from pipeline.release.publish import publish as do_publish
+
+app = typer.Typer()
+
+
+@app.command()
+def publish(
+    name: Annotated[str, typer.Argument(help="registered model name")],
+    version: Annotated[int | None, typer.Option(help="model version")] = None,
+    alias: Annotated[str | None, typer.Option(help="model alias, e.g. candidate")] = None,
+):
+    """Publish a validated version to <volume>/<NAME>-v<N>/ atomically; alias `production` follows."""
+    res = do_publish(project_config(), name, version, alias)
+    what = "published" if res.created else "already on the volume (not rewritten)"
+    typer.echo(f"{what}: {res.name} v{res.version} -> {res.path}")
+    if res.previous_production not in (None, res.version):
+        typer.echo(
+            f"alias production: v{res.previous_production} -> v{res.version} (previous = "
+            f"v{res.previous_production})"
+        )
+    if res.instances:
+        typer.echo(f"serving on: {', '.join(res.instances)}")
+    for w in res.warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
+@app.command()
+def promote(
+    name: Annotated[str, typer.Argument(help="registered model name")],
+    version: Annotated[int, typer.Argument(help="model version to ship")],
+):
+    """Move alias `production` to VERSION and publish it (volume, then the fleet if configured)."""
+    res = do_publish(project_config(), name, version=version)
+    prev = (
+        f" (previous: v{res.previous_production})"
+        if res.previous_production not in (None, res.version)
+        else ""
+    )
+    typer.echo(f"promoted {res.name} v{res.version} to production{prev}: {res.path}")
+
+
+@app.command()
+def rollback(
+    name: Annotated[str, typer.Argument(help="adapter (registered model) name")],
+    to: Annotated[
+        int | None, typer.Option("--to", help="version (default: the previously desired one)")
+    ] = None,
+):
+    """Make an earlier version desired, move alias `production` back, and sync the fleet. Exit 4: not converged."""
+    cfg = project_config()
+    cur, target, reports = fleet_rollback(cfg, name, to)
+    typer.echo(f"{name}: desired version v{cur} -> v{target}; alias production -> {target}")
+    if cfg.fleet.instances:
+        print_reports(reports)
+    exit_as(FleetError, not all(r.ok for r in reports))

@@ -1,0 +1,60 @@
+"""`pipeline train`: axolotl through its own CLI and launchers."""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli._common import project_config
+from pipeline.train.launch import train as run_train
+
+app = typer.Typer()
+
+
+class Launcher(StrEnum):
+    python = "python"  # one device, in-process trainer
+    accelerate = "accelerate"
+    torchrun = "torchrun"
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Argument(help="axolotl YAML (axolotl_configs/...)")],
+    set_: Annotated[
+        list[str], typer.Option("--set", help="override a config key: key=value (YAML value)")
+    ] = [],
+    overlay: Annotated[
+        list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
+    ] = [],
+    allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
+    name: Annotated[str | None, typer.Option(help="adapter name (default: config file stem)")] = None,
+    gpus: Annotated[int, typer.Option(help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
+    launcher: Annotated[
+        Launcher | None, typer.Option(help="axolotl's launcher (default: python for 1 GPU, else accelerate)")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+):
+    """Train a LoRA with axolotl; leaves <run>/adapter/ with manifest.json. Args after `--` go to the launcher."""
+    res = run_train(
+        project_config(),
+        config,
+        overrides=set_,
+        overlays=overlay,
+        allow=set(allow),
+        name=name,
+        gpus=gpus,
+        launcher=launcher.value if launcher else None,
+        launcher_args=list(ctx.args),
+        show_progress=progress and sys.stderr.isatty(),
+        echo=typer.echo,
+    )
+    m = res.manifest["metrics"]
+    typer.echo(
+        f"adapter: {res.adapter_dir}\ntrain_loss {m.get('train_loss')}  eval_loss {m.get('eval_loss')}  "
+        f"tokens/s {m.get('tokens_per_s', 0):.0f}  mfu {m.get('mfu')}  ({res.seconds:.1f} s)"
+    )

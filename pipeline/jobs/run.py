@@ -1,0 +1,203 @@
+"""`pipeline run`: the unattended retraining job a scheduler calls (cron, systemd, CronJob, Slurm).
+
+Safe to start twice (per-adapter lock: the second exits at once with code 3), safe to kill
+(the training directory is keyed by the input fingerprint, so the next run resumes from the
+last checkpoint through axolotl's resume support), skips work that changes nothing (same
+fingerprint as a registered version: status `skipped`), and ships only what passes
+the gates (validation passed; eval loss not worse than production's by more than
+`run.eval_loss_margin`).
+
+Fingerprint: sha256 of {dataset fingerprint, config sha256 after overrides, base revision or
+local base fingerprint}: the inputs that determine the adapter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.config import ProjectConfig
+from pipeline.errors import CheckFailed, GateFailed, LockedError
+
+FINGERPRINT_TAG = "run.fingerprint"
+
+
+@dataclass
+class RunOutcome:
+    status: str  # skipped | published | gated | failed
+    name: str
+    fingerprint: str
+    run_id: str | None = None
+    version: int | None = None
+    published: str | None = None
+    reason: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in vars(self).items()}, sort_keys=True)
+
+
+def fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str:
+    """Hex sha256 of the inputs that determine the adapter."""
+    payload = json.dumps(
+        {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _registered_with(cfg: ProjectConfig, name: str, fp: str) -> int | None:
+    """The newest version of `name` trained from inputs with fingerprint `fp`, or None.
+
+    Any version counts, not only the latest: the same inputs again (e.g. after a manual
+    registration in between) would only re-register an identical adapter.
+    """
+    from pipeline import registry
+    from pipeline.errors import UsageError
+
+    try:
+        vs = registry.versions(cfg, name)
+    except UsageError:  # no such model yet
+        return None
+    return next((int(v.version) for v in vs if (v.tags or {}).get(FINGERPRINT_TAG) == fp), None)
+
+
+def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float | None) -> str | None:
+    """Why the candidate must not ship, or None when it may."""
+    from pipeline import registry
+
+    if report_verdict != "pass":
+        return f"validation verdict {report_verdict!r}"
+    prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
+    if prod is None:
+        return None
+    mv = registry.resolve_version(cfg, name, version=prod)
+    prod_loss = (mv.tags or {}).get("eval_loss")
+    if prod_loss is None or eval_loss is None:
+        return None if prod_loss is None else "candidate has no eval_loss to compare with production"
+    margin = cfg.run.eval_loss_margin
+    if eval_loss > float(prod_loss) + margin:
+        return f"eval_loss {eval_loss:.4f} is worse than production v{prod}'s {float(prod_loss):.4f} by more than {margin}"
+    return None
+
+
+def run(
+    cfg: ProjectConfig,
+    config_path: Path,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    overrides: list[str] = (),
+    overlays: list[Path] = (),
+    allow: set[str] = frozenset(),
+    echo=print,
+    show_progress: bool = False,
+) -> RunOutcome:
+    """Fingerprint, lock, train (or resume), validate, register, gate, publish.
+
+    Raises:
+        LockedError (exit 3): another run for this adapter holds the lock.
+        GateFailed (exit 5): the candidate was registered (alias `candidate`) but not shipped.
+        CheckFailed / UsageError / TrainError: bad inputs or training failure (nothing registered).
+    """
+    from filelock import FileLock, Timeout
+
+    from pipeline import registry
+    from pipeline.release.publish import publish
+    from pipeline.train.config import load_training_config
+    from pipeline.train.launch import base_fingerprint, check_inputs, train
+    from pipeline.validate import validate_with_config
+
+    t0 = time.time()
+    seconds: dict[str, float] = {}
+    tc = load_training_config(Path(config_path), list(overrides), list(overlays))
+    name = name or Path(config_path).stem
+    # The lock comes first, so a second concurrent run exits at once, before any slow check.
+    lock_dir = cfg.state_dir / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_dir / f"{name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise LockedError(f"another `pipeline run` for {name!r} holds {lock.lock_file}; exiting") from None
+    try:
+        ds = check_inputs(cfg, tc, set(allow))
+        base = str(tc.data.get("base_model"))
+        fp = fingerprint(
+            ds.fingerprint,
+            tc.sha256,
+            {
+                "id": base,
+                "revision": tc.data.get("base_model_revision"),
+                "fingerprint": base_fingerprint(base),
+            },
+        )
+        seconds["check"] = time.time() - t0
+        out = RunOutcome("failed", name, fp, seconds=seconds)
+        same = None if force else _registered_with(cfg, name, fp)
+        if same is not None:
+            out.status, out.version = "skipped", same
+            out.reason = f"inputs unchanged: version {same} was trained from them (--force retrains)"
+            return out
+        run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
+        t = time.time()
+        if (run_dir / "adapter" / MANIFEST).exists() and not force:
+            adapter_dir = run_dir / "adapter"  # trained before a crash in a later stage
+            echo(f"reusing finished training in {run_dir}")
+        else:
+            if force and (run_dir / "adapter").exists():
+                run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}-{int(time.time())}"
+            adapter_dir = train(
+                cfg,
+                config_path,
+                overrides=list(overrides),
+                overlays=list(overlays),
+                allow=set(allow),
+                name=name,
+                echo=echo,
+                show_progress=show_progress,
+                run_dir=run_dir,
+            ).adapter_dir
+        seconds["train"] = time.time() - t
+        manifest = read_manifest(adapter_dir)
+        out.run_id = manifest.get("mlflow_run_id")
+
+        t = time.time()
+        report = validate_with_config(cfg, adapter_dir)
+        seconds["validate"] = time.time() - t
+
+        t = time.time()
+        reg = registry.register_adapter(cfg, adapter_dir, name, report.to_dict())
+        registry.set_version_tags(cfg, name, reg.version, {FINGERPRINT_TAG: fp})
+        out.version = reg.version
+        seconds["register"] = time.time() - t
+
+        why = _gate(cfg, name, report.verdict, manifest.get("metrics", {}).get("eval_loss"))
+        if not why and cfg.canary.staging_url:
+            # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
+            # version; publish's canary gate then reads it (pipeline/canary.py).
+            t = time.time()
+            from pipeline.canary import canary_version
+
+            _, res = canary_version(cfg, name, version=reg.version)
+            seconds["canary"] = time.time() - t
+            if res.verdict != "pass":
+                why = "canary failed: " + "; ".join(res.problems)[:500]
+        if why:
+            out.status, out.reason = "gated", why
+            raise GateFailed(f"{name} v{reg.version} stays `candidate`: {why}", outcome=out)
+        t = time.time()
+        try:
+            pub = publish(cfg, name, version=reg.version)
+        except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
+            out.status, out.reason = "gated", str(e)
+            raise GateFailed(f"{name} v{reg.version} stays `candidate`: {e}", outcome=out) from None
+        seconds["publish"] = time.time() - t
+        out.status, out.published = "published", str(pub.path)
+        return out
+    finally:
+        seconds["total"] = time.time() - t0
+        lock.release()

@@ -1,0 +1,68 @@
+"""axolotl plugin loaded inside the trainer process (`plugins: [pipeline.train.axolotl_plugin.PipelinePlugin]`).
+
+It adds one TrainerCallback that appends JSON lines to `$PIPELINE_METRICS_FILE` on the main
+process: `begin` (max_steps, base parameter count), every `log` (step, loss, eval_loss,
+learning_rate, grad_norm, axolotl's token counters, wall time), and `end`. The parent
+`pipeline train` tails the file for its progress bar and for tokens/s and MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from axolotl.integrations.base import BasePlugin
+from transformers import TrainerCallback
+
+METRICS_ENV = "PIPELINE_METRICS_FILE"
+
+
+class MetricsFileCallback(TrainerCallback):
+    def __init__(self, path: str, model=None):
+        self.path = path
+        self.params = None
+        if model is not None:
+            # Frozen base parameters: what forward + backward cost is proportional to (6N/token).
+            self.params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+
+    def _write(self, state, record: dict) -> None:
+        if not state.is_world_process_zero:
+            return
+        record.setdefault("time", time.time())
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        self._write(
+            state,
+            {
+                "event": "begin",
+                "max_steps": state.max_steps,
+                "base_params": self.params,
+                "world_size": world,
+                "gpu": gpu,
+            },
+        )
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        rec = {"event": "log", "step": state.global_step, "max_steps": state.max_steps, "epoch": state.epoch}
+        for k, v in (logs or {}).items():
+            if isinstance(v, (int, float)):
+                rec[k] = v
+        self._write(state, rec)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._write(state, {"event": "end", "step": state.global_step})
+
+
+class PipelinePlugin(BasePlugin):
+    """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set."""
+
+    def add_callbacks_pre_trainer(self, cfg, model):
+        path = os.environ.get(METRICS_ENV)
+        return [MetricsFileCallback(path, model)] if path else []

@@ -1,0 +1,254 @@
+"""Dataset checks before any training: chat-format JSONL with `messages` lists.
+
+Every finding names `file:line`. A dataset with errors stops the run before the trainer
+starts and nothing is written (the check only reads).
+
+Fingerprint: sha256 over each file's bytes (hex), and a combined sha256 over the sorted
+(role, file sha256) pairs, so renaming a file does not change it but any byte does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.artifacts.hashing import sha256_file
+
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" | "warning"
+    where: str  # file:line
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.severity}: {self.message}"
+
+
+@dataclass
+class FileStats:
+    path: str
+    role: str  # "train" | "validation"
+    sha256: str
+    conversations: int = 0
+    too_long: int = 0
+    max_tokens: int = 0
+    mean_tokens: float = 0.0
+
+
+@dataclass
+class DatasetReport:
+    files: list[FileStats] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    duplicates: int = 0
+    overlap: int = 0
+    sequence_len: int | None = None
+    fingerprint: str = ""
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "fingerprint": self.fingerprint,
+            "sequence_len": self.sequence_len,
+            "duplicates": self.duplicates,
+            "train_validation_overlap": self.overlap,
+            "files": [vars(f) for f in self.files],
+            "findings": [vars(f) for f in self.findings],
+        }
+
+
+def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
+    if not isinstance(tc, dict):
+        out.append(Finding("error", where, "tool_calls entries must be objects"))
+        return
+    fn = tc.get("function", tc)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn.get("name"):
+        out.append(Finding("error", where, "tool call needs function.name (a non-empty string)"))
+        return
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            out.append(
+                Finding("error", where, f"tool call {fn['name']!r}: arguments is not valid JSON ({e.msg})")
+            )
+            return
+    if not isinstance(args, dict):
+        out.append(
+            Finding(
+                "error",
+                where,
+                f"tool call {fn['name']!r}: arguments must be a JSON object, got {type(args).__name__}",
+            )
+        )
+
+
+def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> list[Finding]:
+    """Schema checks for one conversation. Returns findings (empty when fine)."""
+    out: list[Finding] = []
+    if not isinstance(messages, list) or not messages:
+        return [Finding("error", where, "`messages` must be a non-empty list")]
+    trainable = 0
+    for i, m in enumerate(messages):
+        w = f"{where} (message {i})"
+        if not isinstance(m, dict):
+            out.append(Finding("error", w, "each message must be an object"))
+            continue
+        role = m.get("role")
+        if role not in ROLES:
+            out.append(Finding("error", w, f"role {role!r} is not one of {sorted(ROLES)}"))
+            continue
+        content = m.get("content")
+        tool_calls = m.get("tool_calls")
+        if content is not None and not isinstance(content, str):
+            out.append(Finding("error", w, f"content must be a string, got {type(content).__name__}"))
+        if role == "system" and i != 0:
+            out.append(Finding("error", w, "a system message may only come first"))
+        if tool_calls is not None:
+            if role != "assistant":
+                out.append(Finding("error", w, "only assistant messages may carry tool_calls"))
+            elif not isinstance(tool_calls, list):
+                out.append(Finding("error", w, "tool_calls must be a list"))
+            else:
+                for tc in tool_calls:
+                    _check_tool_call(tc, w, out)
+        if role == "tool":
+            prev = next(
+                (p for p in reversed(messages[:i]) if isinstance(p, dict) and p.get("role") != "tool"), None
+            )
+            if not prev or prev.get("role") != "assistant" or not prev.get("tool_calls"):
+                out.append(
+                    Finding("error", w, "a tool result must follow an assistant message with tool_calls")
+                )
+        if role in roles_to_train and (content or tool_calls):
+            trainable += 1
+        if role in ("user", "system") and not content:
+            out.append(Finding("error", w, f"{role} message has empty content"))
+    if trainable == 0:
+        out.append(
+            Finding(
+                "error",
+                where,
+                f"no trainable turn: needs a non-empty message with role in {sorted(roles_to_train)}",
+            )
+        )
+    return out
+
+
+def _canonical(messages) -> str:
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+
+
+def check_datasets(
+    train: list[Path],
+    validation: list[Path] = (),
+    *,
+    field_messages: str = "messages",
+    roles_to_train: Iterable[str] = ("assistant",),
+    tokenizer=None,
+    sequence_len: int | None = None,
+) -> DatasetReport:
+    """Check chat JSONL files; never raises for bad content (findings carry file:line).
+
+    Args:
+        train, validation: JSONL files, one conversation per line.
+        tokenizer: a transformers tokenizer with a chat template; when given with
+            `sequence_len` (tokens), counts conversations longer than it (axolotl drops them).
+
+    Raises:
+        FileNotFoundError: a listed file does not exist.
+    """
+    roles_to_train = tuple(roles_to_train)
+    report = DatasetReport(sequence_len=sequence_len)
+    seen: dict[str, str] = {}
+    train_keys: set[str] = set()
+    for role, files in (("train", train), ("validation", validation)):
+        for path in files:
+            path = Path(path)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: dataset file not found")
+            stats = FileStats(path=str(path), role=role, sha256=sha256_file(path))
+            lengths: list[int] = []
+            with open(path, encoding="utf-8", errors="strict") as f:
+                try:
+                    lines = f.read().splitlines()
+                except UnicodeDecodeError as e:
+                    report.findings.append(
+                        Finding("error", f"{path}", f"not UTF-8 ({e.reason} at byte {e.start})")
+                    )
+                    report.files.append(stats)
+                    continue
+            for lineno, line in enumerate(lines, 1):
+                where = f"{path}:{lineno}"
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    report.findings.append(
+                        Finding("error", where, f"invalid JSON: {e.msg} (column {e.colno})")
+                    )
+                    continue
+                if not isinstance(row, dict) or field_messages not in row:
+                    report.findings.append(
+                        Finding("error", where, f"expected an object with a {field_messages!r} list")
+                    )
+                    continue
+                messages = row[field_messages]
+                found = check_conversation(messages, where, roles_to_train)
+                report.findings.extend(found)
+                if any(f.severity == "error" for f in found):
+                    continue
+                stats.conversations += 1
+                key = _canonical(messages)
+                if key in seen:
+                    report.duplicates += 1
+                    report.findings.append(Finding("warning", where, f"exact duplicate of {seen[key]}"))
+                else:
+                    seen[key] = where
+                if role == "train":
+                    train_keys.add(key)
+                elif key in train_keys:
+                    report.overlap += 1
+                    report.findings.append(
+                        Finding("error", where, "conversation also in the training set (leaks into eval)")
+                    )
+                if tokenizer is not None and sequence_len:
+                    n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+                    lengths.append(n)
+                    if n > sequence_len:
+                        stats.too_long += 1
+            if lengths:
+                stats.max_tokens = max(lengths)
+                stats.mean_tokens = round(sum(lengths) / len(lengths), 1)
+            if stats.too_long:
+                report.findings.append(
+                    Finding(
+                        "warning",
+                        str(path),
+                        f"{stats.too_long} of {stats.conversations} conversations exceed sequence_len "
+                        f"{sequence_len} tokens and will be dropped by axolotl",
+                    )
+                )
+            if stats.conversations == 0 and not any(f.where.startswith(str(path)) for f in report.errors):
+                report.findings.append(Finding("error", str(path), "no conversations"))
+            report.files.append(stats)
+    h = hashlib.sha256()
+    for s in sorted(report.files, key=lambda s: (s.role, s.sha256)):
+        h.update(f"{s.role}:{s.sha256}\n".encode())
+    report.fingerprint = h.hexdigest()
+    return report

@@ -1,0 +1,247 @@
+"""Behavioural checks (`pipeline validate --behaviour`): the adapter changes the model, for the better.
+
+Loads the bf16 base with transformers and the adapter with peft (CPU for tiny models; a GPU
+if torch sees one), then
+- eval loss: mean negative log-likelihood (nats per token) of the assistant turns of the
+  validation set, with the adapter and with it disabled; the adapter must not be worse;
+- canaries: greedy continuations of fixed prompts must differ from the base's somewhere
+  (identical outputs mean the adapter is not applied: zero/near-zero B, wrong scale, or keys
+  that do not match the base's module names).
+
+Assistant tokens are found by rendering conversation prefixes with the base tokenizer's
+chat template (the tiny template is prefix-stable, like axolotl's masking assumes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+MAX_NEW_TOKENS = 8
+BATCH = 8
+MAX_EVAL_CONVERSATIONS = 64
+CANARIES = [
+    [{"role": "user", "content": "What is the weather in Tokyo right now?"}],
+    [
+        {"role": "system", "content": "You are a careful operations agent."},
+        {"role": "user", "content": "How many rows in invoices were created yesterday?"},
+    ],
+    [{"role": "user", "content": "Find docs about nvfp4."}],
+]
+
+
+def validation_files_from_manifest(adapter_dir: Path) -> list[Path]:
+    """The validation JSONL files recorded in the adapter's manifest.json (those that still exist)."""
+    try:
+        from pipeline.artifacts.manifest import read_manifest
+
+        files = read_manifest(adapter_dir).get("dataset", {}).get("files", [])
+    except (FileNotFoundError, ValueError):
+        return []
+    return [Path(f["path"]) for f in files if f.get("role") != "train" and Path(f["path"]).is_file()]
+
+
+def _conversations(files: list[Path]) -> list[dict]:
+    out = []
+    for f in files:
+        for line in Path(f).read_text().splitlines():
+            if line.strip():
+                out.append(json.loads(line))
+    return out[:MAX_EVAL_CONVERSATIONS]
+
+
+def _assistant_mask(tok, messages, tools) -> tuple[list[int], list[int]]:
+    """(input ids, 1 for tokens of assistant turns) by rendering growing prefixes."""
+
+    def ids(msgs):
+        text = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    full = ids(messages)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        start, end = len(ids(messages[:i])) if i else 0, len(ids(messages[: i + 1]))
+        for j in range(start, min(end, len(full))):
+            mask[j] = 1
+    return full, mask
+
+
+def _batches(items, n):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _forward_logprobs(model, seqs: list[list[int]], pad_id: int):
+    """Right-padded batched forward; yields (sequence index, log-softmax [len-1, vocab]) per sequence.
+
+    Right padding is exact for a causal model: pad tokens come after every real token.
+    """
+    import torch
+
+    for chunk_start, batch in zip(range(0, len(seqs), BATCH), _batches(seqs, BATCH), strict=True):
+        width = max(len(s) for s in batch)
+        x = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, s in enumerate(batch):
+            x[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        with torch.inference_mode():
+            logits = model(input_ids=x, attention_mask=mask).logits.float()
+        for i, s in enumerate(batch):
+            yield chunk_start + i, torch.log_softmax(logits[i, : len(s) - 1], -1)
+
+
+def eval_loss(model, tok, conversations: list[dict]) -> tuple[float, int]:
+    """Mean NLL (nats/token) over assistant tokens, and the token count."""
+    import torch
+
+    seqs, masks = [], []
+    for conv in conversations:
+        ids, mask = _assistant_mask(tok, conv["messages"], conv.get("tools"))
+        if sum(mask[1:]) and len(ids) >= 2:
+            seqs.append(ids)
+            masks.append(mask)
+    total, count = 0.0, 0
+    for i, lp in _forward_logprobs(model, seqs, tok.pad_token_id or 0):
+        target = torch.tensor(seqs[i][1:])
+        m = torch.tensor(masks[i][1:], dtype=torch.bool)
+        total -= float(lp[m].gather(1, target[m].unsqueeze(1)).sum())
+        count += int(m.sum())
+    return (total / count if count else math.nan), count
+
+
+def _prompt_ids(tok, msgs) -> list[int]:
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def greedy(model, tok, prompts=None, max_new_tokens: int | None = None) -> list[list[int]]:
+    """Greedy continuations (token ids) of each prompt, generated as one left-padded batch.
+
+    Left padding is exact for Qwen3.5 in transformers: padded positions are masked in attention
+    and zeroed before the Gated DeltaNet recurrence (checked against one-by-one generation).
+    """
+    import torch
+
+    prompts = CANARIES if prompts is None else prompts
+    ids = [_prompt_ids(tok, m) for m in prompts]
+    width, pad = max(map(len, ids)), tok.pad_token_id or 0
+    x = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+    with torch.inference_mode():
+        y = model.generate(
+            input_ids=x,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens or MAX_NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos, tok.eos_token_id])
+    out = []
+    for row in y[:, width:].tolist():  # cut at the first EOS: later positions are padding
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.append(row[:cut])
+    return out
+
+
+def greedy_matches(model, tok, prompts, continuations: list[list[int]]) -> list[bool]:
+    """Whether `model`'s greedy output equals `continuations`, by one teacher-forced batched forward.
+
+    Exact: greedy decoding reproduces a continuation iff at every step the argmax given the same
+    prefix is the continuation's next token.
+    """
+    prompt_ids = [_prompt_ids(tok, m) for m in prompts]
+    seqs = [p + c for p, c in zip(prompt_ids, continuations, strict=True)]
+    out = [False] * len(seqs)
+    for i, lp in _forward_logprobs(model, seqs, tok.pad_token_id or 0):
+        n = len(prompt_ids[i])
+        pred = lp[n - 1 :].argmax(-1).tolist()[: len(continuations[i])]
+        out[i] = pred == continuations[i]
+    return out
+
+
+def run(adapter_dir: Path, base_dir: Path | None, rep, validation_files: list[Path] | None = None) -> None:
+    """Add `behaviour.*` checks and stats to `rep`."""
+    adapter_dir = Path(adapter_dir)
+    if base_dir is None:
+        rep.add("behaviour.unavailable", "error", "--behaviour needs the bf16 base: pass --base DIR", "")
+        return
+    if not rep.passed:
+        rep.add(
+            "behaviour.skipped", "info", "behaviour checks skipped: static checks failed", str(adapter_dir)
+        )
+        return
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(base_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    except Exception as e:  # noqa: BLE001 - e.g. a VL-layout base transformers cannot load as a causal LM
+        rep.add(
+            "behaviour.unavailable",
+            "error",
+            f"cannot load base + adapter with transformers/peft "
+            f"({type(e).__name__}: {e}): pass --base with a transformers-loadable checkpoint",
+            str(base_dir),
+        )
+        return
+    model.eval()
+    files = validation_files if validation_files is not None else validation_files_from_manifest(adapter_dir)
+    convs = _conversations(files)
+    stats: dict = {"validation_files": [str(f) for f in files], "conversations": len(convs)}
+    if convs:
+        with model.disable_adapter():
+            base_loss, n = eval_loss(model, tok, convs)
+        lora_loss, _ = eval_loss(model, tok, convs)
+        stats.update(
+            {
+                "eval_loss_base": round(base_loss, 5),
+                "eval_loss_adapter": round(lora_loss, 5),
+                "eval_tokens": n,
+            }
+        )
+        if not math.isfinite(lora_loss):
+            rep.add(
+                "behaviour.eval_loss",
+                "error",
+                f"eval loss with the adapter is {lora_loss}: the adapter produces non-finite logits; retrain",
+                str(adapter_dir),
+            )
+        elif lora_loss > base_loss:
+            rep.add(
+                "behaviour.eval_loss",
+                "error",
+                f"eval loss with the adapter {lora_loss:.4f} > base "
+                f"{base_loss:.4f} nats/token on {n} assistant tokens of {len(convs)} validation conversations: "
+                "the adapter makes held-out data worse; check the data, learning rate and chat template",
+                str(adapter_dir),
+            )
+    else:
+        rep.add(
+            "behaviour.no_data",
+            "warning",
+            "no validation conversations (manifest lists none): eval loss not "
+            "compared; train with test_datasets",
+            str(adapter_dir),
+        )
+    with model.disable_adapter():
+        base_out = greedy(model, tok)
+    same = sum(greedy_matches(model, tok, CANARIES, base_out))
+    stats["canaries_identical"] = f"{same}/{len(CANARIES)}"
+    if same == len(CANARIES):
+        rep.add(
+            "behaviour.canary",
+            "error",
+            f"greedy outputs on all {len(CANARIES)} canary prompts equal the base's: "
+            "the adapter has no effect (near-zero lora_B, wrong scale, or tensor names that do not match the "
+            "base's modules)",
+            str(adapter_dir),
+        )
+    rep.stats["behaviour"] = stats

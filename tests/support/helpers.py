@@ -1,0 +1,66 @@
+"""Test helpers: build adapters and configs from the tiny base (no binary fixtures committed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+]
+
+
+def peft_adapter(
+    base_dir: Path,
+    out: Path,
+    r: int = 8,
+    alpha: int = 16,
+    targets=None,
+    seed: int = 0,
+    zero_b: bool = False,
+    b_std: float = 0.02,
+    **lora_kwargs,
+) -> Path:
+    """Save a PEFT LoRA for the tiny text base with random (non-zero) lora_B, like a trained one."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets or DEFAULT_TARGETS, task_type="CAUSAL_LM", **lora_kwargs
+    )
+    pm = get_peft_model(model, cfg)
+    if not zero_b:
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, b_std)
+    pm.save_pretrained(str(out))
+    return Path(out)
+
+
+def write_project_config(root: Path, **sections) -> Path:
+    """A pipeline.yaml under `root` with state, volume and runs inside it; returns its path."""
+    data = {
+        "state_dir": str(root / "state"),
+        "volume": {"path": str(root / "volume")},
+        "train": {"runs_dir": str(root / "runs")},
+    }
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v) if isinstance(v, dict) else data.__setitem__(k, v)
+    p = root / "pipeline.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
