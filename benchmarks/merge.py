@@ -1,7 +1,7 @@
 """Benchmark `pipeline merge` against a plain copy of the same shards on the same disk.
 
 Builds a synthetic Qwen3.6-27B-shaped checkpoint in the VL layout (real per-layer shapes from
-../shared/design/qwen3.6-27b.md: hidden 5120, DeltaNet in_proj_qkv [10240, 5120], gated q_proj
+docs/qwen3.6-27b.md: hidden 5120, DeltaNet in_proj_qkv [10240, 5120], gated q_proj
 [12288, 5120], MLP 17408; `--layers 8` = [linear x3, full] x 2, ~6.1 GB bf16 in ~2 GB shards,
 plus `mtp.*`), and an r=16 adapter on every text linear module. Then, in subprocesses (peak RSS
 from `os.wait4`, i.e. the child's ru_maxrss):

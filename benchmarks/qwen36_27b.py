@@ -1,6 +1,6 @@
 """Qwen3.6-27B text geometry for the synthetic benchmark checkpoints (one place).
 
-Source: ../shared/design/qwen3.6-27b.md (public config.json and weight table).
+Source: docs/qwen3.6-27b.md (public config.json and weight table).
 Shapes are [out_features, in_features] of the linear modules a LoRA can target.
 """
 

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "axolotl_configs" / "qwen3.6-27b-lora.yml"
 
-# Qwen3.6-27B text geometry (../shared/design/qwen3.6-27b.md).
+# Qwen3.6-27B text geometry (docs/qwen3.6-27b.md).
 GEOMETRY = dict(
     hidden_size=5120,
     intermediate_size=17408,

@@ -7,7 +7,7 @@ Builds, in a temporary directory:
 - a full-size PEFT adapter (VL key layout, bf16, random values) on q/k/v/o (16 full-attention
   layers), in_proj_qkv/z/b/a + out_proj (48 DeltaNet layers) and gate/up/down (64 layers).
 
-Shapes from ../shared/design/qwen3.6-27b.md. Then times `validate_adapter` (adapter header +
+Shapes from docs/qwen3.6-27b.md. Then times `validate_adapter` (adapter header +
 every tensor's values, base and served headers) against baselines measured in the same run:
 reading the adapter file once, and its sha256 (which validation also computes).
 

@@ -10,7 +10,7 @@ the engine's tokens up to the first position where its argmax differs (the same 
 
 An adapter whose `adapter_config.json` `r` disagrees with its tensors cannot be loaded by
 peft (shape mismatch), while vLLM serves it scaled by `lora_alpha / r_config`
-(../shared/design/vllm-lora.md). The reference is what training computed: peft with the
+(docs/vllm.md). The reference is what training computed: peft with the
 tensors' rank, so the scale is `lora_alpha / rank` (rsLoRA: `/ sqrt(rank)`).
 """
 

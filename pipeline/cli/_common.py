@@ -101,7 +101,7 @@ def project_config():
     `pipeline.config` (pydantic-settings, ~0.4 s to import) loads here, when a command first
     needs the config, not when `pipeline --help` starts.
     """
-    from pipeline.config import load_config
+    from pipeline.config import load_config  # lazy: pydantic-settings, ~0.4 s
 
     ctx = click.get_current_context(silent=True)
     return load_config(ctx.meta.get(CONFIG_META) if ctx else None)

@@ -90,7 +90,9 @@ def canary(
     record: Annotated[bool, typer.Option(help="record the result on the model version")] = True,
     as_json: JsonOption = False,
 ):
-    """Load ADAPTER on a staging vLLM under a temporary name, compare it with PEFT, measure its speed.
+    """Parity with PEFT and spec-decode speed of an adapter on a staging vLLM.
+
+    Load ADAPTER on a staging vLLM under a temporary name, compare it with PEFT, measure its speed.
 
     Parity (greedy tokens, top logprobs) against PEFT + transformers, for the base and the
     adapter; speculative-decoding acceptance and time per output token from /metrics, adapter

@@ -39,5 +39,8 @@ def demo(
     name: Annotated[str, typer.Option(help="adapter name")] = "agent-tools",
     config: Annotated[Path, typer.Option(help="axolotl config")] = Path("axolotl_configs/tiny-cpu.yml"),
 ):
-    """Run the main job on the embedded default: tiny base, train, validate, register, publish."""
+    """Run the main job on the embedded default: tiny base to published adapter.
+
+    Stages: tiny base, dataset check + axolotl training, validate, register (sqlite MLflow), publish.
+    """
     run_demo(project_config(), name=name, axolotl_config=config, echo=typer.echo)

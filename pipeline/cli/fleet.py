@@ -14,10 +14,10 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import FleetError, LockedError
-from pipeline.fleet.rollout import prune as fleet_prune
-from pipeline.fleet.rollout import status as fleet_status
-from pipeline.fleet.rollout import sync as fleet_sync
+from pipeline.fleet.reconcile import status as fleet_status
+from pipeline.fleet.reconcile import sync as fleet_sync
 from pipeline.jobs.follow import follow_alias as follow
+from pipeline.release.prune import prune as fleet_prune
 
 app = typer.Typer(help="The vLLM fleet: what it serves, reconcile, prune old versions.", no_args_is_help=True)
 

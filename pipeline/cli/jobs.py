@@ -31,7 +31,9 @@ def run_cmd(
     ] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
 ):
-    """Retrain if inputs changed, validate, register, gate, publish. Last line: one JSON object.
+    """The scheduled job: retrain if inputs changed, validate, register, publish.
+
+    Retrain if inputs changed, validate, register, gate, publish. Last line: one JSON object.
 
     Exit codes: 0 published or skipped, 1 check failed, 2 usage, 3 locked, 4 fleet, 5 gated.
     """
@@ -76,7 +78,9 @@ def follow_alias_cmd(
         str, typer.Option(help="env var holding the webhook's HMAC secret")
     ] = "PIPELINE_WEBHOOK_SECRET",
 ):
-    """Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
+    """Publish a model's ALIAS version whenever the alias moves.
+
+    Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
     cfg = project_config()
     wake = threading.Event()
     ctx = contextlib.nullcontext()

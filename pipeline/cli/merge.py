@@ -54,7 +54,9 @@ def merge(
         int, typer.Option(help="torch threads for the merge arithmetic (0: torch default)")
     ] = 1,
 ):
-    """Merge ADAPTER into --base, writing --out atomically. Exit 0 ok, 1 mismatch/parity failed, 2 bad input."""
+    """Merge an adapter into the bf16 base, streamed, gated on parity.
+
+    Merge ADAPTER into --base, writing --out atomically. Exit 0 ok, 1 mismatch/parity failed, 2 bad input."""
     if (name is None) != (version is None):
         raise UsageError("give both --name and --version (or neither)")
     target = {"name": name, "version": version} if name else None

@@ -26,7 +26,9 @@ def register(
     name: Annotated[str, typer.Option(help="registered model name (the fleet's stable adapter name)")],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
 ):
-    """Validate, then record the adapter in MLflow as a model version with alias `candidate`."""
+    """Validate, then record the adapter in MLflow as a model version.
+
+    Validate, then record the adapter in MLflow as a model version with alias `candidate`."""
     cfg = project_config()
     rep = validate_with_config(cfg, adapter, base)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
@@ -49,7 +51,9 @@ def status(
     as_json: JsonOption = False,
     fleet: Annotated[bool, typer.Option(help="ask the fleet's instances what they serve")] = True,
 ):
-    """Versions, aliases, validation verdict, published path and what each instance serves."""
+    """Versions, aliases, verdicts, published paths and what instances serve.
+
+    Versions, aliases, validation verdict, published path and what each instance serves."""
     data = collect(project_config(), name, fleet=fleet)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
@@ -62,7 +66,9 @@ def ui(
     port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: any free port)")] = 5000,
     name: Annotated[str | None, typer.Option(help="model whose page URL to print")] = None,
 ):
-    """Start the MLflow UI on 127.0.0.1 against the project's store; Ctrl-C stops it."""
+    """Start the MLflow UI on 127.0.0.1 against the project's store.
+
+    Start the MLflow UI on 127.0.0.1 against the project's store; Ctrl-C stops it."""
     cfg = project_config()
     if registry.is_server_uri(cfg.tracking_uri):
         typer.echo(f"the registry is a server: {model_url(cfg.tracking_uri, name)}")

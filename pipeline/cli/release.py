@@ -9,8 +9,8 @@ import typer
 from pipeline.cli._common import exit_as, project_config
 from pipeline.cli.fleet import print_reports
 from pipeline.errors import FleetError
-from pipeline.fleet.rollout import rollback as fleet_rollback
 from pipeline.release.publish import publish as do_publish
+from pipeline.release.rollback import rollback as fleet_rollback
 
 app = typer.Typer()
 
@@ -21,7 +21,9 @@ def publish(
     version: Annotated[int | None, typer.Option(help="model version")] = None,
     alias: Annotated[str | None, typer.Option(help="model alias, e.g. candidate")] = None,
 ):
-    """Publish a validated version to <volume>/<NAME>-v<N>/ atomically; alias `production` follows."""
+    """Publish a validated version to the adapter volume and the fleet.
+
+    Publish a validated version to <volume>/<NAME>-v<N>/ atomically; alias `production` follows."""
     res = do_publish(project_config(), name, version, alias)
     what = "published" if res.created else "already on the volume (not rewritten)"
     typer.echo(f"{what}: {res.name} v{res.version} -> {res.path}")
@@ -41,7 +43,9 @@ def promote(
     name: Annotated[str, typer.Argument(help="registered model name")],
     version: Annotated[int, typer.Argument(help="model version to ship")],
 ):
-    """Move alias `production` to VERSION and publish it (volume, then the fleet if configured)."""
+    """Move alias `production` to VERSION and publish it.
+
+    Move alias `production` to VERSION and publish it (volume, then the fleet if configured)."""
     res = do_publish(project_config(), name, version=version)
     prev = (
         f" (previous: v{res.previous_production})"
@@ -58,7 +62,9 @@ def rollback(
         int | None, typer.Option("--to", help="version (default: the previously desired one)")
     ] = None,
 ):
-    """Make an earlier version desired, move alias `production` back, and sync the fleet. Exit 4: not converged."""
+    """Make an earlier version desired, move `production` back, sync the fleet.
+
+    Make an earlier version desired, move alias `production` back, and sync the fleet. Exit 4: not converged."""
     cfg = project_config()
     cur, target, reports = fleet_rollback(cfg, name, to)
     typer.echo(f"{name}: desired version v{cur} -> v{target}; alias production -> {target}")

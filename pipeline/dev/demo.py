@@ -9,7 +9,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline import registry
 from pipeline.config import ProjectConfig
+from pipeline.dev.tinybase import build_tiny_base
+from pipeline.release.publish import publish
+from pipeline.train.launch import train
+from pipeline.validate import validate_with_config
 
 
 def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) -> dict:
@@ -17,17 +22,10 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline import registry
-    from pipeline.release.publish import publish
-    from pipeline.train.launch import train
-    from pipeline.validate import validate_with_config
-
     times: dict[str, float] = {}
     base_dir = cfg.state_dir / "tiny-base"
     t = time.time()
     if not (base_dir / "config.json").exists():
-        from pipeline.dev.tinybase import build_tiny_base
-
         echo(f"building tiny base in {base_dir}")
         build_tiny_base(base_dir)
     times["tiny base"] = time.time() - t

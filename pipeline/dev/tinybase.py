@@ -19,6 +19,8 @@ import json
 import shutil
 from pathlib import Path
 
+from pipeline.artifacts.checkpoint import TEXT_PREFIXES
+
 TINY_TEXT_CONFIG = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -257,8 +259,6 @@ def build_tiny_served(
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from pipeline.artifacts.checkpoint import TEXT_PREFIXES
 
     base_dir, out = Path(base_dir), Path(out)
     exclude = list(exclude_modules or ["lm_head", "mtp*"])

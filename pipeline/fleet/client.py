@@ -1,6 +1,6 @@
 """HTTP client for one vLLM instance of the fleet: list, load and unload LoRA adapters, canary requests.
 
-Endpoints and their behaviour (vLLM 0.32 CPU, measured; ../shared/design/vllm-lora.md):
+Endpoints and their behaviour (vLLM 0.32 CPU, measured; docs/vllm.md):
 - `GET /v1/models`: the base card (`parent: null`) and one card per adapter
   `{"id": name, "root": lora_path, "parent": <served base name>}`;
 - `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}`: 200 plain text; an

@@ -3,7 +3,7 @@
 `follow_alias(cfg, "production", 30)` checks every registered model each `interval_s` seconds;
 when the alias points at a version that is not on the volume yet, that version is published.
 Moving `production` in the MLflow UI therefore ships it. Polling is the source of truth:
-MLflow's webhooks are fire-and-forget (3 retries, no queue; ../shared/design/mlflow.md), so a
+MLflow's webhooks are fire-and-forget (3 retries, no queue; docs/mlflow.md), so a
 webhook only wakes the poll loop early and never carries state itself.
 
 Webhook signatures follow mlflow/webhooks/delivery.py (mlflow 3.17): header
@@ -22,8 +22,11 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from pipeline import registry
+from pipeline.artifacts.volume import version_dir
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError, UsageError
+from pipeline.release.publish import publish
 
 SIGNATURE_HEADER = "X-MLflow-Signature"
 DELIVERY_HEADER = "X-MLflow-Delivery-Id"
@@ -36,7 +39,6 @@ SHIP_EVENTS = ("publish", "rollback")
 
 def _ship_history(cfg: ProjectConfig, name: str) -> list[int]:
     """Versions of `name` in the order they were shipped (publish/rollback events), oldest first."""
-    from pipeline import registry
 
     stamped = []
     for mv in registry.versions(cfg, name):
@@ -48,7 +50,6 @@ def _ship_history(cfg: ProjectConfig, name: str) -> list[int]:
 
 def _already_shipped(cfg: ProjectConfig, name: str, version: int) -> bool:
     """On the volume and the last version shipped (so a move made while nobody followed counts)."""
-    from pipeline.release.publish import version_dir
 
     if not version_dir(cfg.volume.path, name, version).is_dir():
         return False
@@ -70,8 +71,6 @@ def ship(cfg: ProjectConfig, name: str, version: int, alias: str, previous: int 
     the alias moved again while this publish ran, it is put back where the user moved it, so the
     next poll ships that one instead of this publish silently undoing the move.
     """
-    from pipeline import registry
-    from pipeline.release.publish import publish
 
     pub = publish(cfg, name, version=version)
     if alias == registry.ALIAS_PRODUCTION:
@@ -113,7 +112,6 @@ def follow_alias(
     alias moves again; other errors (registry unreachable) are reported and retried next poll.
     Returns the list of `Published` (useful with `once=True`).
     """
-    from pipeline import registry
 
     if interval_s <= 0:
         raise UsageError(f"--interval must be > 0 seconds (got {interval_s})")

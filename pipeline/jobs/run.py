@@ -19,9 +19,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import registry
 from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
-from pipeline.errors import CheckFailed, GateFailed, LockedError
+from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
+from pipeline.release.publish import publish
+from pipeline.train.config import load_training_config
+from pipeline.train.launch import base_fingerprint, check_inputs, train
+from pipeline.validate import validate_with_config
 
 FINGERPRINT_TAG = "run.fingerprint"
 
@@ -55,8 +61,6 @@ def _registered_with(cfg: ProjectConfig, name: str, fp: str) -> int | None:
     Any version counts, not only the latest: the same inputs again (e.g. after a manual
     registration in between) would only re-register an identical adapter.
     """
-    from pipeline import registry
-    from pipeline.errors import UsageError
 
     try:
         vs = registry.versions(cfg, name)
@@ -67,7 +71,6 @@ def _registered_with(cfg: ProjectConfig, name: str, fp: str) -> int | None:
 
 def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float | None) -> str | None:
     """Why the candidate must not ship, or None when it may."""
-    from pipeline import registry
 
     if report_verdict != "pass":
         return f"validation verdict {report_verdict!r}"
@@ -104,12 +107,6 @@ def run(
         CheckFailed / UsageError / TrainError: bad inputs or training failure (nothing registered).
     """
     from filelock import FileLock, Timeout
-
-    from pipeline import registry
-    from pipeline.release.publish import publish
-    from pipeline.train.config import load_training_config
-    from pipeline.train.launch import base_fingerprint, check_inputs, train
-    from pipeline.validate import validate_with_config
 
     t0 = time.time()
     seconds: dict[str, float] = {}
@@ -180,7 +177,6 @@ def run(
             # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
             # version; publish's canary gate then reads it (pipeline/canary.py).
             t = time.time()
-            from pipeline.canary import canary_version
 
             _, res = canary_version(cfg, name, version=reg.version)
             seconds["canary"] = time.time() - t

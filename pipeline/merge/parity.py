@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.artifacts.checkpoint import read_checkpoint
 from pipeline.errors import CheckFailed, UsageError
 
 ROUNDINGS = 4
@@ -185,7 +186,6 @@ def parity_gate(base_dir: Path, adapter_dir: Path, dtype: str, mode: str = "auto
     `on` (always; UsageError now if it cannot run), `off` (recorded as skipped).
     The callable raises ParityFailed on a failing verdict, so the merge is discarded.
     """
-    from pipeline.artifacts.checkpoint import read_checkpoint
 
     if mode not in ("auto", "on", "off"):
         raise UsageError(f"--parity {mode!r}: use auto, on or off")

@@ -1,6 +1,6 @@
 """`pipeline ui`: the MLflow server (UI) on 127.0.0.1 against the project's own store.
 
-Fast start-up (../shared/design/mlflow.md): one worker and no job runners
+Fast start-up (docs/mlflow.md): one worker and no job runners
 (`--workers 1`, `MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`) start in ~8-12 s on 2 cores
 instead of 39-48 s. The server reads the same database the CLI writes (sqlite or PostgreSQL)
 and the experiment's artifact location (`<state_dir>/mlartifacts` or `registry.artifact_location`).
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from pipeline import registry
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 
@@ -42,7 +43,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def server_command(cfg: ProjectConfig, host: str, port: int) -> list[str]:
     """The `mlflow server` command line for this project's store."""
-    from pipeline import registry
 
     cmd = [
         sys.executable,
@@ -104,8 +104,6 @@ def start(cfg: ProjectConfig, host: str = "127.0.0.1", port: int = 5000, timeout
         UIError: the server exited or did not answer within `timeout_s` (the log's tail is shown).
     """
     import httpx
-
-    from pipeline import registry
 
     if registry.is_server_uri(cfg.tracking_uri):
         raise UsageError(f"the registry is a server already ({cfg.tracking_uri}): open it in a browser")

@@ -2,7 +2,7 @@
 
 Layout: `<volume>/<NAME>-v<N>/` (one directory per version, never modified after creation:
 vLLM's filesystem resolver never re-reads a loaded adapter, and an in-place reload from the
-same path reuses stale prefix-cache KV; ../shared/design/vllm-lora.md). Steps:
+same path reuses stale prefix-cache KV; docs/vllm.md). Steps:
 
 1. refuse a version whose validation verdict is not `pass` for the same weights sha256;
 2. download the artifact into `<volume>/.staging/<NAME>-v<N>.<random>/` (same filesystem);
@@ -25,11 +25,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import registry
 from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree, write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest, verify_files
 from pipeline.artifacts.volume import STAGING, version_dir
+from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed
+from pipeline.fleet.rollout import rollout
 
 
 class PublishError(CheckFailed):
@@ -65,7 +68,6 @@ def check_publishable(mv, weights_sha256: str) -> None:
 
 def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
     """Write `<volume>/<name>-v<N>/` from the registry; returns (path, created)."""
-    from pipeline import registry
 
     name, version = mv.name, int(mv.version)
     target = version_dir(volume, name, version)
@@ -167,10 +169,8 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
         FleetError: with `fleet.instances` configured, an instance did not switch to the new
             version (all restored; aliases and the fleet's desired state unchanged).
     """
-    from pipeline import registry
 
     mv = registry.resolve_version(cfg, name, version, alias)
-    from pipeline.canary import gate as canary_gate
 
     warnings = canary_gate(cfg, mv)  # before anything is written
     volume = cfg.volume.path
@@ -178,8 +178,6 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
     path, created = materialise(cfg, mv, volume)
     instances: list[str] = []
     if cfg.fleet.instances:  # every instance serves it (or all are restored) before any alias moves
-        from pipeline.fleet.rollout import rollout
-
         instances = [r.instance for r in rollout(cfg, name, int(mv.version), path) if r.ok]
     prev = registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, int(mv.version))
     if prev is not None and prev != int(mv.version):

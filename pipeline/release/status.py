@@ -1,8 +1,8 @@
 """`pipeline status`: versions, aliases, validation, published path and fleet serving, in one view.
 
-The registry part reads MLflow only. The fleet part comes from the fleet module's status
-function (`pipeline.fleet.rollout.status`, HTTP to each configured instance) when that module
-exists and `fleet.instances` is configured; otherwise the column stays empty. A fleet that
+The registry part reads MLflow only. The fleet part comes from `pipeline.fleet.reconcile.status`
+(HTTP to each configured instance) when `fleet.instances` is configured; otherwise the column
+stays empty. A fleet that
 cannot be read never fails the command: its error is shown (and given in `fleet_error`).
 """
 
@@ -12,7 +12,10 @@ import dataclasses
 import datetime as dt
 import re
 
+from pipeline import registry
+from pipeline.canary import show as canary_show
 from pipeline.config import ProjectConfig
+from pipeline.fleet.reconcile import status as fleet_status
 
 _VERSION = re.compile(r"^v?(\d+)$")
 
@@ -26,10 +29,6 @@ def _fleet_rows(cfg: ProjectConfig) -> tuple[list[dict] | None, str | None]:
     """[{instance, adapter, desired, serving, state, detail}] or (None, why not)."""
     if not cfg.fleet.instances:
         return None, None
-    try:
-        from pipeline.fleet.rollout import status as fleet_status
-    except ImportError:
-        return None, "fleet status not available in this build"
     try:
         rows = fleet_status(cfg)
     except Exception as e:  # a broken fleet must not hide the registry
@@ -47,8 +46,6 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
     "fleet": [...] | None, "fleet_error": str | None}; versions newest first.
     Raises UsageError: `name` is not a registered model.
     """
-    from pipeline import registry
-    from pipeline.canary import show as canary_show
 
     names = [name] if name else registry.model_names(cfg)
     fleet_rows, fleet_error = _fleet_rows(cfg) if fleet else (None, None)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import registry
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
 from pipeline.artifacts.safetensors import header_bytes
@@ -378,8 +379,6 @@ def train(
     resolved_tc = TrainingConfig(resolved_yml, resolved)
     resolved_yml.write_text(resolved_tc.dump())
     write_json_atomic(run_dir / "dataset_report.json", ds_report.to_dict())
-
-    from pipeline import registry
 
     datasets = [
         {

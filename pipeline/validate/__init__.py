@@ -23,6 +23,7 @@ from pipeline.artifacts.adapter import (
     load_adapter_config,
     parse_key,
 )
+from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.checkpoint import (
     GEOMETRY_KEYS,
     LAYER_RE,
@@ -32,8 +33,12 @@ from pipeline.artifacts.checkpoint import (
     read_checkpoint,
 )
 from pipeline.artifacts.hashing import sha256_file
+from pipeline.artifacts.manifest import read_manifest
 from pipeline.artifacts.safetensors import DTYPE_BYTES, HeaderError, raw_header, read_safetensors_header
 from pipeline.config import VLLM_LORA_RANKS
+from pipeline.validate import behaviour as beh
+from pipeline.validate import template as template_check
+from pipeline.validate.normalise import ParityError, fold_rslora
 
 REPORT_FILE = "validation.json"
 
@@ -122,7 +127,6 @@ class ValidationReport:
         )
 
     def write(self, path: Path) -> None:
-        from pipeline.artifacts.atomic import write_json_atomic
 
         write_json_atomic(path, self.to_dict())
 
@@ -275,8 +279,6 @@ def _check_resolver(cfg: AdapterConfig, rules: FleetRules, rep: ValidationReport
         return
     adapter_dir = cfg.path.parent
     try:
-        from pipeline.artifacts.manifest import read_manifest
-
         man = read_manifest(adapter_dir)
     except (FileNotFoundError, ValueError):
         man = None
@@ -868,7 +870,6 @@ def _check_served(
 
 
 def _fold(adapter_dir: Path, rep: ValidationReport) -> None:
-    from pipeline.validate.normalise import ParityError, fold_rslora
 
     try:
         res = fold_rslora(adapter_dir)
@@ -970,12 +971,9 @@ def validate_adapter(
             "against what the fleet serves; set served.path in pipeline.yaml or pass --served",
             "",
         )
-    from pipeline.validate import template as template_check
 
     template_check.run(adapter_dir, base, served, rep, training_config=training_config)
     if behaviour:
-        from pipeline.validate import behaviour as beh
-
         beh.run(adapter_dir, base_dir, rep, validation_files=validation_files)
     return rep
 
@@ -985,8 +983,6 @@ def default_base(cfg, adapter_dir: Path) -> Path | None:
     if cfg.base.path:
         return cfg.base.path
     try:
-        from pipeline.artifacts.manifest import read_manifest
-
         b = read_manifest(Path(adapter_dir))["base_model"]["id"]
         return Path(b) if Path(b).is_dir() else None
     except (FileNotFoundError, KeyError, ValueError):

@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 
+from pipeline.artifacts.manifest import read_manifest
+
 MAX_NEW_TOKENS = 8
 BATCH = 8
 MAX_EVAL_CONVERSATIONS = 64
@@ -34,8 +36,6 @@ CANARIES = [
 def validation_files_from_manifest(adapter_dir: Path) -> list[Path]:
     """The validation JSONL files recorded in the adapter's manifest.json (those that still exist)."""
     try:
-        from pipeline.artifacts.manifest import read_manifest
-
         files = read_manifest(adapter_dir).get("dataset", {}).get("files", [])
     except (FileNotFoundError, ValueError):
         return []

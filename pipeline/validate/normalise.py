@@ -22,10 +22,13 @@ from pipeline.artifacts.adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterConfig,
+    adapter_tensors,
     load_adapter_config,
     parse_key,
     pattern_value,
 )
+from pipeline.artifacts.atomic import write_json_atomic
+from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
 
 REL_TOL = 1e-9
 
@@ -45,7 +48,6 @@ class FoldResult:
 
 def module_names(adapter_dir: Path) -> list[str]:
     """PEFT module names of every LoRA pair in the weights file (header only)."""
-    from pipeline.artifacts.adapter import adapter_tensors
 
     names = {k.peft_module for n in adapter_tensors(adapter_dir) if (k := parse_key(n))}
     return sorted(names)
@@ -87,8 +89,6 @@ def fold_rslora(adapter_dir: Path) -> FoldResult:
         FileNotFoundError / ValueError: unreadable adapter_config.json or weights header.
         ParityError: the parity check failed (nothing written).
     """
-    from pipeline.artifacts.atomic import write_json_atomic
-    from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
 
     adapter_dir = Path(adapter_dir)
     cfg = load_adapter_config(adapter_dir)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.artifacts.manifest import read_manifest
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONTEXT_TOKENS = 8
 
@@ -153,8 +155,6 @@ def training_config_path(adapter_dir: Path, training_config: Path | None) -> Pat
     if training_config is not None:
         return Path(training_config)
     try:
-        from pipeline.artifacts.manifest import read_manifest
-
         rc = read_manifest(adapter_dir).get("resolved_config")
     except (FileNotFoundError, ValueError):
         return None

@@ -63,7 +63,7 @@ def _flow(cfg, adapters, base, name: str, tmp_path) -> None:
     from pipeline.release.publish import publish
 
     assert _register_concurrently(cfg, adapters, base, name, tmp_path) == list(range(1, N_PROCS + 1))
-    client = registry._mlflow(cfg).MlflowClient()
+    client = registry.client(cfg)
     versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
     assert versions == list(range(1, N_PROCS + 1))  # contiguous, nothing lost
     assert registry.aliases(cfg, name)["candidate"] in versions

@@ -121,9 +121,9 @@ def vpath(fleet, version: int, name: str = "chat") -> str:
 
 
 def production(fleet, name: str = "chat") -> int:
-    from pipeline.registry import _mlflow
+    from pipeline.registry import mlflow_for
 
-    return int(_mlflow(fleet.cfg).MlflowClient().get_model_version_by_alias(name, "production").version)
+    return int(mlflow_for(fleet.cfg).MlflowClient().get_model_version_by_alias(name, "production").version)
 
 
 class Stream:

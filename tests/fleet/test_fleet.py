@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from pipeline.config import load_config
 from pipeline.errors import LockedError, UsageError
-from pipeline.fleet.rollout import resolver_layout_problems, status
+from pipeline.fleet.reconcile import status
+from pipeline.fleet.rollout import resolver_layout_problems
 from pipeline.fleet.state import FleetState, fleet_lock, load_state, save_state, state_path
 from tests.support.fleet_server import free_port
 from tests.support.helpers import write_project_config
@@ -125,8 +126,8 @@ def test_rollback_without_a_fleet_uses_the_registry_aliases(tmp_path, monkeypatc
     """No instances and no fleet-state.json: rollback moves `production` back via the aliases."""
     from pipeline import registry
     from pipeline.config import load_config
-    from pipeline.fleet.rollout import rollback
     from pipeline.release.publish import publish
+    from pipeline.release.rollback import rollback
     from tests.support.helpers import write_project_config
     from tests.support.registry_support import adapter_with_manifest, register
 

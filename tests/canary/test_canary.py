@@ -171,9 +171,9 @@ def test_modules_outside_lora_target_modules_are_served_as_base(staging):
 
 
 def test_adapter_is_unloaded_when_the_canary_breaks(staging, monkeypatch):
-    from pipeline import canary as cn
+    from pipeline.canary import engine
 
-    real, seen = cn._pass, {}
+    real, seen = engine._pass, {}
 
     def failing(client, model, *a, **kw):
         if model.startswith("canary-"):  # fault injection: the adapter pass dies mid-canary
@@ -181,7 +181,7 @@ def test_adapter_is_unloaded_when_the_canary_breaks(staging, monkeypatch):
             raise RuntimeError("injected failure")
         return real(client, model, *a, **kw)
 
-    monkeypatch.setattr(cn, "_pass", failing)
+    monkeypatch.setattr(engine, "_pass", failing)
     with pytest.raises(RuntimeError, match="injected"):
         canary(staging, staging.good)
     assert len(seen["loaded"]) == 1 and seen["loaded"][0].startswith("canary-")

@@ -46,7 +46,7 @@ def test_model_version_page_shows_production_alias_tags_and_source_run(trained, 
     name = f"ui-agent-{uuid.uuid4().hex[:6]}"
     reg = register(cfg, res.adapter_dir, tiny_base, name)
     publish(cfg, name, version=reg.version)
-    run_name = registry._mlflow(cfg).MlflowClient().get_run(res.run_id).info.run_name
+    run_name = registry.client(cfg).get_run(res.run_id).info.run_name
 
     server = ui.start(cfg, port=0)
     ARTIFACTS.mkdir(exist_ok=True)

@@ -84,9 +84,9 @@ def test_cli_merge_parity_and_registry_tags(tiny_base, pattern_adapter, project,
     """rsLoRA + rank/alpha patterns + lm_head + embeddings: merged model == peft (logits, greedy), tagged in MLflow."""
     from mlflow import MlflowClient
 
-    from pipeline.registry import _mlflow
+    from pipeline.registry import mlflow_for
 
-    _mlflow(project)
+    mlflow_for(project)
     client = MlflowClient()
     client.create_registered_model("agent-tools")
     mv = client.create_model_version("agent-tools", source=str(pattern_adapter))
@@ -214,13 +214,13 @@ def test_crash_mid_merge_leaves_no_complete_looking_dir(tiny_vl_base, adapter, t
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, pipeline.merge as m
-        real, n = m._write_shard, []
+        real, n = m.write_shard, []
         def dying(*a, **k):
             n.append(1)
             if len(n) == 2:
                 os._exit(137)  # like SIGKILL: no cleanup runs
             return real(*a, **k)
-        m._write_shard = dying
+        m.write_shard = dying
         m.merge_adapter({str(adapter)!r}, {str(tiny_vl_base)!r}, {str(out)!r})
     """)
     proc = subprocess.run(
@@ -233,7 +233,7 @@ def test_crash_mid_merge_leaves_no_complete_looking_dir(tiny_vl_base, adapter, t
 
 
 def test_exception_mid_merge_cleans_up(tiny_vl_base, adapter, tmp_path, monkeypatch):
-    import pipeline.merge as m
+    import pipeline.merge.write as m
 
     def boom(*a, **k):
         raise OSError("disk full")

@@ -23,7 +23,7 @@ two_adapters = registry_support.two_adapters
 
 
 def _client(cfg):
-    return registry._mlflow(cfg).MlflowClient()
+    return registry.client(cfg)
 
 
 def _names(prefix: str) -> str:

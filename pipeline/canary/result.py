@@ -1,0 +1,210 @@
+"""Canary results and their verdict: parity with the PEFT reference, speed, the thresholds that judge them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from pipeline.canary.prompts import Prompt
+from pipeline.config import ProjectConfig
+from pipeline.errors import CheckFailed
+
+
+class CanaryError(CheckFailed):
+    """The canary could not run (staging unreachable, adapter refused, reference unloadable)."""
+
+
+@dataclass
+class EngineOutput:
+    tokens: list[int]
+    top: list[dict[int, float]]  # per generated position: {token id: logprob}
+
+
+@dataclass
+class Parity:
+    """Engine vs reference for one model (base or adapter) over the canary set."""
+
+    positions: int
+    agreement: float  # (exact + tied) / positions
+    exact: int
+    tied: int  # engine token != reference argmax, but within tie_margin nats of it
+    first_divergence: int | None  # earliest position (over prompts) where the reference's argmax differs
+    first_divergence_prompt: str | None
+    diverged_prompts: int
+    max_logprob_diff: float
+    max_logprob_diff_at: str | None  # "label@position"
+    per_prompt: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Speed:
+    """Figures of one pass from the /metrics difference; None where the engine does not report them."""
+
+    requests: int
+    output_tokens: int
+    drafts: float | None
+    draft_tokens: float | None
+    accepted_tokens: float | None
+    acceptance_rate: float | None  # accepted / draft tokens
+    mean_acceptance_length: float | None  # 1 + accepted / drafts (tokens per engine step)
+    tpot_s: float | None  # mean per-request time per output token, seconds (engine histogram)
+    wall_s_per_token: float  # client wall time / output tokens, seconds (includes prefill and HTTP)
+    other_traffic: bool  # the engine generated more tokens than these requests did
+
+
+@dataclass
+class CanaryResult:
+    adapter: str
+    staging: str
+    engine_name: str
+    served: dict
+    prompts: list[str]
+    max_tokens: int
+    parity: dict[str, Parity]  # "base", "adapter"
+    speed: dict[str, Speed]
+    speed_ratio: float | None  # base TPOT / adapter TPOT (adapter speed relative to base)
+    acceptance_ratio: float | None  # adapter / base mean acceptance length
+    tolerance: dict
+    engine_adapter_equals_base: bool
+    problems: list[str]
+    notes: list[str]
+    weights_sha256: str | None
+    time: str
+    seconds: float
+    unloaded: bool = True
+
+    @property
+    def verdict(self) -> str:
+        return "fail" if self.problems else "pass"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["verdict"] = self.verdict
+        return d
+
+
+# -- comparison -----------------------------------------------------------------------------------------------------
+def compare(prompts: list[Prompt], outs: list[EngineOutput], scores, tie_margin: float) -> Parity:
+    """Parity figures from engine outputs and the reference's `PositionScore`s (same order)."""
+    positions = exact = tied = diverged = 0
+    first, first_at, max_diff, max_at, per = None, None, 0.0, None, []
+    for p, o, sc in zip(prompts, outs, scores, strict=True):
+        div = None
+        p_max = 0.0
+        for j, (tok, s) in enumerate(zip(o.tokens, sc, strict=True)):
+            positions += 1
+            if s.argmax == tok:
+                exact += 1
+            else:
+                div = j if div is None else div
+                if s.argmax_logprob - s.logprobs.get(tok, -math.inf) <= tie_margin:
+                    tied += 1
+            for t, lp in (o.top[j] if j < len(o.top) else {}).items():
+                if math.isfinite(lp) and t in s.logprobs:
+                    diff = abs(lp - s.logprobs[t])
+                    p_max = max(p_max, diff)
+                    if diff > max_diff:
+                        max_diff, max_at = diff, f"{p.label}@{j}"
+        if div is not None:
+            diverged += 1
+            if first is None or div < first:
+                first, first_at = div, p.label
+        per.append(
+            {
+                "prompt": p.label,
+                "tokens": len(o.tokens),
+                "first_divergence": div,
+                "max_logprob_diff": round(p_max, 6),
+            }
+        )
+    return Parity(
+        positions=positions,
+        agreement=(exact + tied) / positions if positions else 1.0,
+        exact=exact,
+        tied=tied,
+        first_divergence=first,
+        first_divergence_prompt=first_at,
+        diverged_prompts=diverged,
+        max_logprob_diff=max_diff,
+        max_logprob_diff_at=max_at,
+        per_prompt=per,
+    )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside: list[str]) -> None:
+    """Fill `res.tolerance` and `res.problems` (each a full sentence: what, where, how to fix)."""
+    c = cfg.canary
+    base, ad = res.parity["base"], res.parity["adapter"]
+    quantised = bool(res.served.get("quantised"))
+    min_agree, max_diff = c.min_token_agreement, c.max_logprob_diff
+    base_ok = base.agreement >= min_agree and base.max_logprob_diff <= max_diff
+    if quantised:  # the engine's own gap on the base is the floor of what the adapter can reach
+        min_agree = min(min_agree, base.agreement - (1 - c.min_token_agreement))
+        max_diff = max(max_diff, c.base_gap_factor * base.max_logprob_diff)
+    res.tolerance = {
+        "min_token_agreement": round(min_agree, 6),
+        "max_logprob_diff": round(max_diff, 6),
+        "quantised": quantised,
+        "from_base_gap": quantised,
+    }
+    where = f"staging {res.staging} ({res.served.get('engine_model')})"
+    if not base_ok and not quantised:
+        res.problems.append(
+            f"engine/precision gap on the BASE alone: token agreement {base.agreement:.3f} (min {c.min_token_agreement}), "
+            f"max logprob diff {base.max_logprob_diff:.4f} nats (max {c.max_logprob_diff}) at {base.max_logprob_diff_at} "
+            f"on {where}: the engine and the reference disagree before any adapter; check the checkpoint it serves, "
+            f"--dtype, and the vLLM version (set canary.quantised: true if the served base is quantised)"
+        )
+    bad_agree, bad_diff = ad.agreement < min_agree, ad.max_logprob_diff > max_diff
+    if not (bad_agree or bad_diff):
+        pass
+    elif res.engine_adapter_equals_base:
+        hint = (
+            f"modules outside the instance's --lora-target-modules ({', '.join(outside)})"
+            if outside
+            else "modules outside the instance's --lora-target-modules, or tensors the engine ignores"
+        )
+        res.problems.append(
+            f"the engine serves the adapter as the base: its greedy output equals the base's on all "
+            f"{len(res.prompts)} canary prompts, but PEFT's differs (token agreement {ad.agreement:.3f}, first "
+            f"divergence at token {ad.first_divergence} of {ad.first_divergence_prompt}): {hint}; "
+            f"retrain with target modules the fleet applies, or change the fleet's --lora-target-modules"
+        )
+    else:
+        if rank_notes:
+            why = " ".join(rank_notes) + (
+                "; vLLM scales by lora_alpha / r from the config, so it serves another "
+                "scale: fix r in adapter_config.json"
+            )
+        else:
+            why = "the engine applies the adapter differently from PEFT (wrong scale, modules missing, another base)"
+        res.problems.append(
+            f"adapter parity failed on {where}: token agreement {ad.agreement:.3f} (min {min_agree:.3f}), max logprob "
+            f"diff {ad.max_logprob_diff:.4f} nats (max {max_diff:.4f}) at {ad.max_logprob_diff_at}, first divergence at "
+            f"token {ad.first_divergence} of {ad.first_divergence_prompt}; the base alone agrees {base.agreement:.3f} "
+            f"(max diff {base.max_logprob_diff:.4f}): {why}"
+        )
+    if c.min_speed_ratio is not None and res.speed_ratio is not None and res.speed_ratio < c.min_speed_ratio:
+        res.problems.append(
+            f"decode speed with the adapter is {res.speed_ratio:.2f}x the base's (time per output token "
+            f"{_ms(res.speed['adapter'].tpot_s)} vs {_ms(res.speed['base'].tpot_s)}), below canary.min_speed_ratio "
+            f"{c.min_speed_ratio}"
+        )
+    if (
+        c.min_acceptance_ratio is not None
+        and res.acceptance_ratio is not None
+        and res.acceptance_ratio < c.min_acceptance_ratio
+    ):
+        res.problems.append(
+            f"mean acceptance length with the adapter {res.speed['adapter'].mean_acceptance_length:.2f} is "
+            f"{res.acceptance_ratio:.2f}x the base's {res.speed['base'].mean_acceptance_length:.2f}, below "
+            f"canary.min_acceptance_ratio {c.min_acceptance_ratio}: the drafter (no LoRA) no longer predicts it"
+        )
+
+
+def _ms(s: float | None) -> str:
+    return "n/a" if s is None else f"{s * 1000:.1f} ms"

@@ -1,0 +1,121 @@
+"""Events on a model version (publish, rollout, rollback...), stored as version tags."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.config import ProjectConfig
+from pipeline.errors import UsageError
+from pipeline.registry.store import mlflow_for
+from pipeline.registry.versions import (
+    ALIAS_PREVIOUS,
+    ALIAS_PRODUCTION,
+    alias_version,
+    model_exists,
+    resolve_version,
+    set_alias,
+    set_version_tags,
+)
+
+# -- events: publish, rollout, rollback ------------------------------------------------------------
+EVENT_TAG_PREFIX = "event."
+
+
+# Summary-tag prefix per event type; other types use their own name (`rollout.instances`, ...).
+_SUMMARY_PREFIX = {"publish": "published"}
+
+
+_SUMMARY_FIELDS = ("time", "path", "instances", "from_version", "to_version")
+
+
+def record_event(cfg: ProjectConfig, name: str, version: int, event: dict) -> dict:
+    """Record what happened to version `version` of `name` (publish, rollout, rollback...).
+
+
+    `event`: a JSON-able dict with `type` (lower-case word: `publish`, `rollout`, `rollback`,
+    `rolled_back`, ...) and any facts, by convention `instances` (names of the fleet instances
+    that confirmed, list of str), `path` (the published directory), `from_version` /
+    `to_version` (ints). `time` (UTC ISO-8601) is added when absent.
+
+
+    Stored as model-version tags, so the version page shows them and `search_model_versions`
+    can filter on them:
+      - `event.<UTC yyyymmddThhmmss.ffffff>Z.<type>`: the whole event as JSON, one tag per event
+        (unique key: concurrent callers never overwrite each other; keys sort by time);
+      - `<type>.<field>` for time/path/instances/from_version/to_version (latest of that type;
+        type `publish` uses `published.`, matching `pipeline.release.publish`). Lists are joined with ",".
+
+
+    Returns the stored event. Raises UsageError: no `type`, or the version does not exist.
+    """
+    import datetime as dt
+    import re
+
+    from mlflow.exceptions import MlflowException
+
+    etype = str(event.get("type") or "")
+    if not re.fullmatch(r"[a-z][a-z0-9_]{0,40}", etype):
+        raise UsageError(f"record_event: event needs a 'type' like 'publish' or 'rollout' (got {etype!r})")
+    now = dt.datetime.now(dt.UTC)
+    stored = {"time": now.isoformat(timespec="seconds"), **event}
+    client = mlflow_for(cfg).MlflowClient()
+    try:
+        client.get_model_version(name, str(version))
+    except MlflowException as e:
+        raise UsageError(f"record_event: {name} version {version} not found in {cfg.tracking_uri}") from e
+    stamp = now.strftime("%Y%m%dT%H%M%S.%f")
+    tags = {f"{EVENT_TAG_PREFIX}{stamp}Z.{etype}": json.dumps(stored, sort_keys=True, default=str)}
+    prefix = _SUMMARY_PREFIX.get(etype, etype)
+    for f in _SUMMARY_FIELDS:
+        if f in stored:
+            v = stored[f]
+            tags[f"{prefix}.{f}"] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+    set_version_tags(cfg, name, version, tags)
+    return stored
+
+
+def events(mv) -> list[dict]:
+    """The events recorded on a ModelVersion, oldest first."""
+    out = []
+    for k in sorted(mv.tags or {}):
+        if k.startswith(EVENT_TAG_PREFIX):
+            try:
+                out.append(json.loads(mv.tags[k]))
+            except json.JSONDecodeError:
+                out.append({"type": k.rsplit(".", 1)[-1], "raw": mv.tags[k]})
+    return out
+
+
+def rollback_aliases(
+    cfg: ProjectConfig, name: str, to_version: int | None = None, **facts
+) -> tuple[int, int]:
+    """Move `production` back to `to_version` (default: the `previous` alias); record the events.
+
+
+    Only the registry: the volume directory must already exist and the fleet is switched by the
+    caller (`pipeline rollback`, pipeline/fleet/rollout.py). `previous` then points at the
+    version rolled back from, so `previous` is always "what production replaced". Events:
+    `rollback` on the target (`from_version`, plus `facts`, e.g. `instances=[...]` that
+    confirmed) and `rolled_back` on the version it replaced (`to_version`).
+
+
+    Returns (from_version, to_version). Raises UsageError: unknown model, no production
+    version, no target, or the target is already production.
+    """
+    if not model_exists(cfg, name):
+        raise UsageError(f"registered model {name!r} not found in {cfg.tracking_uri}")
+    current = alias_version(cfg, name, ALIAS_PRODUCTION)
+    if current is None:
+        raise UsageError(f"{name}: no version has alias {ALIAS_PRODUCTION!r}; nothing to roll back")
+    target = to_version if to_version is not None else alias_version(cfg, name, ALIAS_PREVIOUS)
+    if target is None:
+        raise UsageError(f"{name}: no {ALIAS_PREVIOUS!r} alias; give the version to roll back to")
+    target = int(target)
+    if target == current:
+        raise UsageError(f"{name}: version {target} is already {ALIAS_PRODUCTION!r}")
+    resolve_version(cfg, name, version=target)  # UsageError naming the versions that exist
+    set_alias(cfg, name, ALIAS_PRODUCTION, target)
+    set_alias(cfg, name, ALIAS_PREVIOUS, current)
+    record_event(cfg, name, target, {**facts, "type": "rollback", "from_version": current})
+    record_event(cfg, name, current, {"type": "rolled_back", "to_version": target})
+    return current, target

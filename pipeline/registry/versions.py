@@ -1,0 +1,298 @@
+"""Registered versions: an adapter as a LoggedModel + model version, its tags, aliases, lookups."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.artifacts.manifest import read_manifest, verify_files
+from pipeline.config import ProjectConfig
+from pipeline.errors import UsageError
+from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
+
+ALIAS_CANDIDATE = "candidate"
+
+
+ALIAS_PRODUCTION = "production"
+
+
+ALIAS_PREVIOUS = "previous"
+
+
+MODEL_TYPE = "peft-lora"
+
+
+class RegistryError(UsageError):
+    """An adapter directory cannot be registered (no manifest, files differ from it)."""
+
+
+# -- model versions -------------------------------------------------------------------------
+@dataclass
+class Registered:
+    name: str
+    version: int
+    model_id: str
+    run_id: str | None
+    source: str
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _describe(manifest: dict, report: dict) -> str:
+    """The version's description: one paragraph a reviewer reads on the version page."""
+    base = manifest.get("base_model", {})
+    served = manifest.get("served", {})
+    m = manifest.get("metrics", {})
+    weights = manifest.get("files", {}).get("adapter_model.safetensors", "")
+    tps = m.get("tokens_per_s")
+    return (
+        f"LoRA r={manifest.get('adapter', {}).get('r')} alpha={manifest.get('adapter', {}).get('lora_alpha')} "
+        f"on base {base.get('id')} @ {base.get('revision') or 'sha256:' + str(base.get('fingerprint') or '')[:12]}; "
+        f"served on {served.get('checkpoint')} @ {served.get('revision') or 'unpinned'}; "
+        f"dataset {str(manifest.get('dataset', {}).get('fingerprint', ''))[:16]}; "
+        f"eval_loss {_num(m.get('eval_loss'))}, train_loss {_num(m.get('train_loss'))}"
+        + (f", {tps:.0f} tokens/s" if isinstance(tps, (int, float)) else "")
+        + f"; weights sha256 {weights[:16]}; validation {report.get('verdict', 'unknown')}."
+    )[:4900]
+
+
+def version_tags(cfg: ProjectConfig, manifest: dict, report: dict, run_id: str | None) -> dict[str, str]:
+    """Tags every version carries: the description's facts, machine-searchable.
+
+
+    e.g. `client.search_model_versions("tags.`validation.verdict` = 'pass'")`.
+    """
+    base = manifest.get("base_model", {})
+    m = manifest.get("metrics") or {}
+    tags = {
+        "base_model": str(base.get("id")),
+        "base_revision": str(base.get("revision") or ""),
+        "base_fingerprint": str(base.get("fingerprint") or ""),
+        "served_checkpoint": cfg.served.checkpoint,
+        "served_revision": str(cfg.served.revision or ""),
+        "served_model": cfg.served.model,
+        "dataset_fingerprint": str(manifest.get("dataset", {}).get("fingerprint", "")),
+        "weights_sha256": manifest.get("files", {}).get("adapter_model.safetensors", ""),
+        "validation.verdict": report.get("verdict", "unknown"),
+        "validation.weights_sha256": str(report.get("weights_sha256")),
+        "lora_r": str(manifest.get("adapter", {}).get("r")),
+        "lora_alpha": str(manifest.get("adapter", {}).get("lora_alpha")),
+        "config_sha256": str(manifest.get("config_sha256") or ""),
+        "source_run_id": run_id or "",
+    }
+    for k in ("eval_loss", "train_loss", "tokens_per_s", "mfu"):
+        if isinstance(m.get(k), (int, float)):
+            tags[k] = _num(m[k])
+    return tags
+
+
+def _register_with_retry(mlflow, model_uri: str, name: str, tags: dict, attempts: int = 8):
+    """`mlflow.register_model`, retried on version-number conflicts.
+
+
+    MLflow's SQL store computes `max(version) + 1` and retries an IntegrityError only 3 times;
+    with several registering processes on PostgreSQL all 3 can lose (sqlite serialises writers
+    instead). A conflict means another version was created, so retrying is safe.
+    """
+    import random
+    import time
+
+    from mlflow.exceptions import MlflowException
+
+    for i in range(attempts):
+        try:
+            return mlflow.register_model(model_uri, name, tags=tags)
+        except MlflowException as e:
+            transient = "Model Version creation error" in str(e) or "database is locked" in str(e)
+            if not transient or i == attempts - 1:
+                raise
+            time.sleep(random.uniform(0.05, 0.3) * (i + 1))
+
+
+def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict) -> Registered:
+    """Record `adapter_dir` as a LoggedModel, register it as a version of `name`, alias `candidate`.
+
+
+    The artifact is exactly the adapter directory (config, safetensors, tokenizer, manifest):
+    never base weights. `report` is the validation report dict (verdict, weights_sha256).
+    Lineage: dataset (run input, digest) -> run (`manifest.mlflow_run_id`, when it is in this
+    store) -> LoggedModel (`source_run_id`) -> model version (`run_id`, source `models:/<id>`).
+    The validation report also goes to the run as `validation/<name>/v<N>.json`.
+    Safe to call from several processes at once (versions stay contiguous).
+
+
+    Raises:
+        RegistryError: the directory has no manifest.json (train it with `pipeline train`).
+    """
+
+    adapter_dir = Path(adapter_dir)
+    try:
+        manifest = read_manifest(adapter_dir)
+    except FileNotFoundError as e:
+        raise RegistryError(
+            f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
+        ) from e
+    # The lineage on the version is the manifest's: refuse files that are not what it describes.
+    problems = verify_files(adapter_dir, manifest.get("files", {}))
+    if problems:
+        raise RegistryError(
+            f"{adapter_dir}: files differ from manifest.json (edited after training?); nothing registered:\n  "
+            + "\n  ".join(problems)
+        )
+    mlflow = mlflow_for(cfg)
+    client = mlflow.MlflowClient()
+    run_id = manifest.get("mlflow_run_id")
+    if run_id:
+        try:
+            client.get_run(run_id)
+        except Exception:
+            run_id = None  # trained against another store
+    tags = version_tags(cfg, manifest, report, run_id)
+    params = flatten_params({k: v for k, v in manifest.get("adapter", {}).items()})
+    model = mlflow.initialize_logged_model(
+        name=name,
+        source_run_id=run_id,
+        tags=tags,
+        params=params,
+        model_type=MODEL_TYPE,
+        experiment_id=ensure_experiment(cfg, mlflow),
+    )
+    try:
+        client.log_model_artifacts(model.model_id, str(adapter_dir))
+        if run_id:  # model metrics live in a run; link eval/train loss to their dataset
+            files = manifest.get("dataset", {}).get("files") or []
+            by_role = {f.get("role"): f for f in files}
+            for k, v in (manifest.get("metrics") or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    ds = (
+                        by_role.get("validation" if k.startswith("eval") else "train")
+                        if "loss" in k
+                        else None
+                    )
+                    client.log_metric(
+                        run_id,
+                        k,
+                        float(v),
+                        model_id=model.model_id,
+                        dataset_name=Path(ds["path"]).name if ds else None,
+                        dataset_digest=ds["sha256"][:36] if ds else None,
+                    )
+        mlflow.finalize_logged_model(model.model_id, "READY")
+    except BaseException:
+        mlflow.finalize_logged_model(model.model_id, "FAILED")
+        raise
+    mv = _register_with_retry(mlflow, f"models:/{model.model_id}", name, tags)
+    client.update_model_version(name, mv.version, description=_describe(manifest, report))
+    client.set_model_version_tag(name, mv.version, "validation.report", json.dumps(_compact(report))[:4900])
+    if run_id:
+        with tempfile.TemporaryDirectory() as td:
+            rp = Path(td) / f"v{mv.version}.json"
+            rp.write_text(json.dumps(report, indent=2))
+            client.log_artifact(run_id, str(rp), artifact_path=f"validation/{name}")
+    client.set_registered_model_alias(name, ALIAS_CANDIDATE, mv.version)
+    return Registered(name, int(mv.version), model.model_id, run_id, mv.source)
+
+
+def _compact(report: dict) -> dict:
+    return {
+        "verdict": report.get("verdict"),
+        "weights_sha256": report.get("weights_sha256"),
+        "errors": [c["id"] for c in report.get("checks", []) if c.get("severity") == "error"],
+        "warnings": [c["id"] for c in report.get("checks", []) if c.get("severity") == "warning"],
+    }
+
+
+def resolve_version(cfg: ProjectConfig, name: str, version: int | None = None, alias: str | None = None):
+    """The ModelVersion for `name` at `version` or `alias`.
+
+
+    Raises UsageError naming what exists when the model, version or alias does not.
+    """
+    mlflow = mlflow_for(cfg)
+    client = mlflow.MlflowClient()
+    from mlflow.exceptions import MlflowException
+
+    if (version is None) == (alias is None):
+        raise UsageError("give exactly one of --version N or --alias A")
+    try:
+        client.get_registered_model(name)
+    except MlflowException as e:
+        raise UsageError(f"registered model {name!r} not found in {cfg.tracking_uri}") from e
+    try:
+        if alias is not None:
+            return client.get_model_version_by_alias(name, alias)
+        return client.get_model_version(name, str(version))
+    except MlflowException as e:
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
+        aliases = client.get_registered_model(name).aliases
+        what = f"alias {alias!r}" if alias is not None else f"version {version}"
+        raise UsageError(f"{name}: {what} not found (versions {versions}, aliases {aliases})") from e
+
+
+def download_version(cfg: ProjectConfig, mv, dst: Path) -> Path:
+    """Download a version's artifact (the adapter directory) into `dst`; returns the directory."""
+    mlflow = mlflow_for(cfg)
+    path = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst))
+    return Path(path)
+
+
+def alias_version(cfg: ProjectConfig, name: str, alias: str) -> int | None:
+    """The version `alias` points at, or None (no such alias; the model must exist)."""
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow_for(cfg).MlflowClient()
+    try:
+        return int(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def set_alias(cfg: ProjectConfig, name: str, alias: str, version: int) -> int | None:
+    """Point `alias` at `version`; returns the version it pointed at before (or None)."""
+    prev = alias_version(cfg, name, alias)
+    mlflow_for(cfg).MlflowClient().set_registered_model_alias(name, alias, str(version))
+    return prev
+
+
+def set_version_tags(cfg: ProjectConfig, name: str, version: int, tags: dict[str, str]) -> None:
+    client = mlflow_for(cfg).MlflowClient()
+    for k, v in tags.items():
+        client.set_model_version_tag(name, str(version), k, str(v))
+
+
+def model_exists(cfg: ProjectConfig, name: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow_for(cfg).MlflowClient().get_registered_model(name)
+        return True
+    except MlflowException:
+        return False
+
+
+# -- reading the registry ---------------------------------------------------------------------------
+def model_names(cfg: ProjectConfig) -> list[str]:
+    """Names of all registered models, sorted."""
+    client = mlflow_for(cfg).MlflowClient()
+    return sorted(m.name for m in client.search_registered_models(max_results=1000))
+
+
+def versions(cfg: ProjectConfig, name: str) -> list:
+    """All ModelVersions of `name`, newest first (aliases filled in). UsageError if unknown."""
+    if not model_exists(cfg, name):
+        raise UsageError(
+            f"registered model {name!r} not found in {cfg.tracking_uri} (have: {model_names(cfg)})"
+        )
+    client = mlflow_for(cfg).MlflowClient()
+    out = client.search_model_versions(f"name='{name}'", max_results=10000)
+    return sorted(out, key=lambda v: -int(v.version))
+
+
+def aliases(cfg: ProjectConfig, name: str) -> dict[str, int]:
+    """{alias: version} of registered model `name`."""
+    rm = mlflow_for(cfg).MlflowClient().get_registered_model(name)
+    return {a: int(v) for a, v in (rm.aliases or {}).items()}
