@@ -19,12 +19,10 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipeline.errors import ConfigError
+from pipeline.serving.vllm import LORA_RANKS
 
 CONFIG_ENV = "PIPELINE_CONFIG"
 DEFAULT_CONFIG_NAME = "pipeline.yaml"
-
-# vLLM's accepted `--max-lora-rank` values (vllm/config/lora.py, MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class _Section(BaseModel):
@@ -82,8 +80,8 @@ class FleetSection(_Section):
     @field_validator("max_lora_rank")
     @classmethod
     def _rank_allowed(cls, v: int) -> int:
-        if v not in VLLM_LORA_RANKS:
-            raise ValueError(f"max_lora_rank {v} is not one of vLLM's {VLLM_LORA_RANKS}")
+        if v not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank {v} is not one of vLLM's {LORA_RANKS}")
         return v
 
 

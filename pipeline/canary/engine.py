@@ -20,7 +20,8 @@ from pipeline.canary.result import CanaryError, CanaryResult, EngineOutput, Spee
 from pipeline.config import Instance, ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.fleet.client import InstanceClient, InstanceError
-from pipeline.validate import default_base, fleet_applies
+from pipeline.serving.vllm import fleet_applies
+from pipeline.validate import default_base
 from pipeline.validate.behaviour import validation_files_from_manifest
 
 

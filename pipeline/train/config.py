@@ -13,10 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import VLLM_LORA_RANKS
 from pipeline.errors import CheckFailed, UsageError
-
-EMBEDDING_TARGETS = {"embed_tokens", "lm_head", "embedding", "wte"}
+from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS
 
 # Check ids that `pipeline train --allow ID` may override, with why the fleet refuses them.
 ALLOWABLE = {
@@ -136,7 +134,7 @@ def servability_problems(
     targets = d.get("lora_target_modules") or []
     if isinstance(targets, str):
         targets = [targets]
-    emb = sorted(set(targets) & EMBEDDING_TARGETS)
+    emb = sorted(set(targets) & EMBEDDING_MODULES)
     if emb:
         problems.append(
             (
@@ -151,11 +149,11 @@ def servability_problems(
             ("rslora", f"{where}: peft_use_rslora: true; use plain LoRA scaling (alpha/r) for the fleet")
         )
     r = d.get("lora_r")
-    if not isinstance(r, int) or r not in VLLM_LORA_RANKS or r > max_lora_rank:
+    if not isinstance(r, int) or r not in LORA_RANKS or r > max_lora_rank:
         problems.append(
             (
                 "rank",
-                f"{where}: lora_r {r!r} must be one of vLLM's ranks {VLLM_LORA_RANKS} and <= the fleet's "
+                f"{where}: lora_r {r!r} must be one of vLLM's ranks {LORA_RANKS} and <= the fleet's "
                 f"max_lora_rank {max_lora_rank}",
             )
         )

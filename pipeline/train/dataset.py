@@ -16,18 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.artifacts.hashing import sha256_file
+from pipeline.findings import Finding, Report
 
 ROLES = {"system", "user", "assistant", "tool"}
 
 
-@dataclass
-class Finding:
-    severity: str  # "error" | "warning"
-    where: str  # file:line
-    message: str
+def _error(where: str, message: str, id: str = "dataset.schema") -> Finding:
+    return Finding(id, "error", message, where)
 
-    def __str__(self) -> str:
-        return f"{self.where}: {self.severity}: {self.message}"
+
+def _warning(where: str, message: str, id: str) -> Finding:
+    return Finding(id, "warning", message, where)
 
 
 @dataclass
@@ -42,21 +41,12 @@ class FileStats:
 
 
 @dataclass
-class DatasetReport:
+class DatasetReport(Report):
     files: list[FileStats] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
     duplicates: int = 0
     overlap: int = 0
     sequence_len: int | None = None
     fingerprint: str = ""
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "error"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
 
     def to_dict(self) -> dict:
         return {
@@ -66,17 +56,19 @@ class DatasetReport:
             "duplicates": self.duplicates,
             "train_validation_overlap": self.overlap,
             "files": [vars(f) for f in self.files],
-            "findings": [vars(f) for f in self.findings],
+            "findings": [f.to_dict() for f in self.findings],
         }
 
 
 def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
     if not isinstance(tc, dict):
-        out.append(Finding("error", where, "tool_calls entries must be objects"))
+        out.append(_error(where, "tool_calls entries must be objects", id="dataset.tool_call"))
         return
     fn = tc.get("function", tc)
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn.get("name"):
-        out.append(Finding("error", where, "tool call needs function.name (a non-empty string)"))
+        out.append(
+            _error(where, "tool call needs function.name (a non-empty string)", id="dataset.tool_call")
+        )
         return
     args = fn.get("arguments")
     if isinstance(args, str):
@@ -84,15 +76,19 @@ def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
             args = json.loads(args)
         except json.JSONDecodeError as e:
             out.append(
-                Finding("error", where, f"tool call {fn['name']!r}: arguments is not valid JSON ({e.msg})")
+                _error(
+                    where,
+                    f"tool call {fn['name']!r}: arguments is not valid JSON ({e.msg})",
+                    id="dataset.tool_call",
+                )
             )
             return
     if not isinstance(args, dict):
         out.append(
-            Finding(
-                "error",
+            _error(
                 where,
                 f"tool call {fn['name']!r}: arguments must be a JSON object, got {type(args).__name__}",
+                id="dataset.tool_call",
             )
         )
 
@@ -101,28 +97,28 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
     """Schema checks for one conversation. Returns findings (empty when fine)."""
     out: list[Finding] = []
     if not isinstance(messages, list) or not messages:
-        return [Finding("error", where, "`messages` must be a non-empty list")]
+        return [_error(where, "`messages` must be a non-empty list")]
     trainable = 0
     for i, m in enumerate(messages):
         w = f"{where} (message {i})"
         if not isinstance(m, dict):
-            out.append(Finding("error", w, "each message must be an object"))
+            out.append(_error(w, "each message must be an object"))
             continue
         role = m.get("role")
         if role not in ROLES:
-            out.append(Finding("error", w, f"role {role!r} is not one of {sorted(ROLES)}"))
+            out.append(_error(w, f"role {role!r} is not one of {sorted(ROLES)}"))
             continue
         content = m.get("content")
         tool_calls = m.get("tool_calls")
         if content is not None and not isinstance(content, str):
-            out.append(Finding("error", w, f"content must be a string, got {type(content).__name__}"))
+            out.append(_error(w, f"content must be a string, got {type(content).__name__}"))
         if role == "system" and i != 0:
-            out.append(Finding("error", w, "a system message may only come first"))
+            out.append(_error(w, "a system message may only come first"))
         if tool_calls is not None:
             if role != "assistant":
-                out.append(Finding("error", w, "only assistant messages may carry tool_calls"))
+                out.append(_error(w, "only assistant messages may carry tool_calls"))
             elif not isinstance(tool_calls, list):
-                out.append(Finding("error", w, "tool_calls must be a list"))
+                out.append(_error(w, "tool_calls must be a list"))
             else:
                 for tc in tool_calls:
                     _check_tool_call(tc, w, out)
@@ -131,19 +127,17 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
                 (p for p in reversed(messages[:i]) if isinstance(p, dict) and p.get("role") != "tool"), None
             )
             if not prev or prev.get("role") != "assistant" or not prev.get("tool_calls"):
-                out.append(
-                    Finding("error", w, "a tool result must follow an assistant message with tool_calls")
-                )
+                out.append(_error(w, "a tool result must follow an assistant message with tool_calls"))
         if role in roles_to_train and (content or tool_calls):
             trainable += 1
         if role in ("user", "system") and not content:
-            out.append(Finding("error", w, f"{role} message has empty content"))
+            out.append(_error(w, f"{role} message has empty content"))
     if trainable == 0:
         out.append(
-            Finding(
-                "error",
+            _error(
                 where,
                 f"no trainable turn: needs a non-empty message with role in {sorted(roles_to_train)}",
+                id="dataset.no_trainable_turn",
             )
         )
     return out
@@ -188,7 +182,7 @@ def check_datasets(
                     lines = f.read().splitlines()
                 except UnicodeDecodeError as e:
                     report.findings.append(
-                        Finding("error", f"{path}", f"not UTF-8 ({e.reason} at byte {e.start})")
+                        _error(f"{path}", f"not UTF-8 ({e.reason} at byte {e.start})", id="dataset.encoding")
                     )
                     report.files.append(stats)
                     continue
@@ -200,12 +194,12 @@ def check_datasets(
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     report.findings.append(
-                        Finding("error", where, f"invalid JSON: {e.msg} (column {e.colno})")
+                        _error(where, f"invalid JSON: {e.msg} (column {e.colno})", id="dataset.json")
                     )
                     continue
                 if not isinstance(row, dict) or field_messages not in row:
                     report.findings.append(
-                        Finding("error", where, f"expected an object with a {field_messages!r} list")
+                        _error(where, f"expected an object with a {field_messages!r} list")
                     )
                     continue
                 messages = row[field_messages]
@@ -217,7 +211,9 @@ def check_datasets(
                 key = _canonical(messages)
                 if key in seen:
                     report.duplicates += 1
-                    report.findings.append(Finding("warning", where, f"exact duplicate of {seen[key]}"))
+                    report.findings.append(
+                        _warning(where, f"exact duplicate of {seen[key]}", id="dataset.duplicate")
+                    )
                 else:
                     seen[key] = where
                 if role == "train":
@@ -225,7 +221,11 @@ def check_datasets(
                 elif key in train_keys:
                     report.overlap += 1
                     report.findings.append(
-                        Finding("error", where, "conversation also in the training set (leaks into eval)")
+                        _error(
+                            where,
+                            "conversation also in the training set (leaks into eval)",
+                            id="dataset.overlap",
+                        )
                     )
                 if tokenizer is not None and sequence_len:
                     n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
@@ -237,15 +237,15 @@ def check_datasets(
                 stats.mean_tokens = round(sum(lengths) / len(lengths), 1)
             if stats.too_long:
                 report.findings.append(
-                    Finding(
-                        "warning",
+                    _warning(
                         str(path),
                         f"{stats.too_long} of {stats.conversations} conversations exceed sequence_len "
                         f"{sequence_len} tokens and will be dropped by axolotl",
+                        id="dataset.too_long",
                     )
                 )
             if stats.conversations == 0 and not any(f.where.startswith(str(path)) for f in report.errors):
-                report.findings.append(Finding("error", str(path), "no conversations"))
+                report.findings.append(_error(str(path), "no conversations", id="dataset.empty"))
             report.files.append(stats)
     h = hashlib.sha256()
     for s in sorted(report.files, key=lambda s: (s.role, s.sha256)):

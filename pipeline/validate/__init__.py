@@ -12,7 +12,7 @@ allowed ranks, refused PEFT variants, and which modules of Qwen3.5 it can patch.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.artifacts.adapter import (
@@ -35,99 +35,79 @@ from pipeline.artifacts.checkpoint import (
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.manifest import read_manifest
 from pipeline.artifacts.safetensors import DTYPE_BYTES, HeaderError, raw_header, read_safetensors_header
-from pipeline.config import VLLM_LORA_RANKS
+from pipeline.findings import Finding, Report
+from pipeline.serving.vllm import (
+    ALLOWED_DTYPES,
+    EMBEDDING_MODULES,
+    KNOWN_QUANT,
+    LORA_RANKS,
+    PLAIN_INITS,
+    QWEN35_MODULES,
+    REFUSED_CONFIG_KEYS,
+    fleet_applies,
+)
 from pipeline.validate import behaviour as beh
 from pipeline.validate import template as template_check
 from pipeline.validate.normalise import ParityError, fold_rslora
 
 REPORT_FILE = "validation.json"
 
-# Linear modules vLLM can apply LoRA to in Qwen3.5 / Qwen3.6 (vllm/model_executor/models/qwen3_5.py
-# packed_modules_mapping + supported_lora_modules), by decoder layer type.
-VLLM_QWEN35_MODULES = {
-    "full_attention": {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
-    "linear_attention": {
-        "linear_attn.in_proj_qkv",
-        "linear_attn.in_proj_z",
-        "linear_attn.in_proj_b",
-        "linear_attn.in_proj_a",
-        "linear_attn.out_proj",
-    },
-    "any": {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"},
-}
-# Packed runtime modules of Qwen3.5 in vLLM (qwen3_5.py packed_modules_mapping).
-PACKED_MODULES = {
-    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-    "gate_up_proj": ["gate_proj", "up_proj"],
-    "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
-    "in_proj_ba": ["in_proj_b", "in_proj_a"],
-}
-EMBEDDING_MODULES = {"embed_tokens", "lm_head"}
-ALLOWED_DTYPES = {"BF16", "F16", "F32"}
-# init_lora_weights strings that only set the initial adapter (vllm/lora/peft_helper.py _init_is_supported).
-PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
-KNOWN_QUANT = {
-    "NVFP4",
-    "FP8",
-    "MIXED_PRECISION",
-    "NVFP4_AWQ",
-    "W4A8_AWQ",
-    "INT4_AWQ",
-    "MODELOPT",
-    "FP8_PB_WO",
-    "COMPRESSED-TENSORS",
-}
 NORM_OUTLIER = 10.0  # x the median update norm of the same module type
 SIZE_BAND = (0.5, 2.0)  # weights file / expected bytes
 
 
-@dataclass
-class Check:
-    id: str
-    severity: str  # "error" | "warning" | "info"
-    message: str
-    where: str = ""
+Check = Finding  # a validation finding; the report's JSON calls them "checks"
 
 
 @dataclass
-class ValidationReport:
-    adapter: str
-    base: str | None
+class ValidationReport(Report):
+    """Findings of one validation, with what was validated and summary stats.
+
+    JSON (`validation.json`, the registry's `validation.report` tag): adapter, base,
+    weights_sha256, checks [{id, severity, message, where}], stats, created, verdict.
+    """
+
+    adapter: str = ""
+    base: str | None = None
     weights_sha256: str | None = None
-    checks: list[Check] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     created: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
 
     @property
+    def checks(self) -> list[Finding]:
+        return self.findings
+
+    @property
     def verdict(self) -> str:
-        return "fail" if any(c.severity == "error" for c in self.checks) else "pass"
+        return "pass" if self.ok else "fail"
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "pass"
-
-    def add(self, id: str, severity: str, message: str, where: str = "") -> None:
-        self.checks.append(Check(id, severity, message, where))
+        return self.ok
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["verdict"] = self.verdict
-        return d
+        return {
+            "adapter": self.adapter,
+            "base": self.base,
+            "weights_sha256": self.weights_sha256,
+            "checks": [c.to_dict() for c in self.findings],
+            "stats": self.stats,
+            "created": self.created,
+            "verdict": self.verdict,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> ValidationReport:
-        checks = [Check(**c) for c in d.get("checks", [])]
         return cls(
-            d["adapter"],
-            d.get("base"),
-            d.get("weights_sha256"),
-            checks,
-            d.get("stats", {}),
-            d.get("created", ""),
+            findings=[Finding(**c) for c in d.get("checks", [])],
+            adapter=d["adapter"],
+            base=d.get("base"),
+            weights_sha256=d.get("weights_sha256"),
+            stats=d.get("stats", {}),
+            created=d.get("created", ""),
         )
 
     def write(self, path: Path) -> None:
-
         write_json_atomic(path, self.to_dict())
 
 
@@ -193,11 +173,11 @@ def _check_config(cfg: AdapterConfig, rules: FleetRules, rep: ValidationReport) 
     for what, r in ranks.items():
         if r is None:
             continue
-        if r not in VLLM_LORA_RANKS:
+        if r not in LORA_RANKS:
             rep.add(
                 "config.rank",
                 "error",
-                f"{what} = {r} is not one of vLLM's ranks {VLLM_LORA_RANKS}: retrain "
+                f"{what} = {r} is not one of vLLM's ranks {LORA_RANKS}: retrain "
                 "with one of them (lora_r in the axolotl config)",
                 where,
             )
@@ -209,15 +189,7 @@ def _check_config(cfg: AdapterConfig, rules: FleetRules, rep: ValidationReport) 
                 f"or raise fleet.max_lora_rank (and --max-lora-rank on every instance)",
                 where,
             )
-    refused = {
-        "use_dora": "DoRA",
-        "lora_bias": "LoRA bias terms",
-        "layer_replication": "layer_replication",
-        "modules_to_save": "modules_to_save",
-        "use_bdlora": "block-diagonal LoRA",
-        "use_qalora": "QALoRA",
-    }
-    for key, what in refused.items():
+    for key, what in REFUSED_CONFIG_KEYS.items():
         if raw.get(key):
             rep.add(
                 "config.unsupported",
@@ -305,22 +277,7 @@ def _check_resolver(cfg: AdapterConfig, rules: FleetRules, rep: ValidationReport
 def _allowed_modules(base: Checkpoint, layer: int) -> set[str]:
     types = base.layer_types
     lt = types[layer] if layer < len(types) else "full_attention"
-    return VLLM_QWEN35_MODULES.get(lt, set()) | VLLM_QWEN35_MODULES["any"]
-
-
-def fleet_applies(short: str, targets: list[str] | None) -> bool:
-    """Whether vLLM's `--lora-target-modules` lets an adapter module (`q_proj`, ...) through.
-
-    vllm/lora/utils.py `is_in_target_modules`: a runtime module passes if its suffix is listed,
-    or for a packed module (`qkv_proj`) if any of its children is; adapter module `k_proj` is
-    then applied through the packed `qkv_proj` even when only `q_proj` is listed.
-    """
-    if targets is None:
-        return True
-    t = set(targets)
-    if short in t:
-        return True
-    return any(short in kids and (parent in t or t & set(kids)) for parent, kids in PACKED_MODULES.items())
+    return QWEN35_MODULES.get(lt, set()) | QWEN35_MODULES["any"]
 
 
 @dataclass
@@ -925,7 +882,9 @@ def validate_adapter(
     adapter_dir = Path(adapter_dir)
     rules = rules or FleetRules()
     served_dir = served_dir or rules.served_path
-    rep = ValidationReport(str(adapter_dir.resolve()), str(Path(base_dir).resolve()) if base_dir else None)
+    rep = ValidationReport(
+        adapter=str(adapter_dir.resolve()), base=str(Path(base_dir).resolve()) if base_dir else None
+    )
     if not adapter_dir.is_dir():
         rep.add("adapter.missing", "error", "adapter directory not found: check the path", str(adapter_dir))
         return rep

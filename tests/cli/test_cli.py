@@ -5,7 +5,6 @@ import sys
 
 from tests.support.helpers import REPO
 
-
 HEAVY = (
     "torch",
     "transformers",

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.validate import FleetRules, fleet_applies, validate_adapter
+from pipeline.serving.vllm import fleet_applies
+from pipeline.validate import FleetRules, validate_adapter
 from tests.support.helpers import peft_adapter
 
 W = "adapter_model.safetensors"

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.validate import FleetRules, validate_adapter
 from tests.support.helpers import REPO
-from tests.test_validate import edit_config, edit_tensors, good_adapter, only, served  # noqa: F401 (fixtures)
+from tests.validate.test_validate import edit_config, edit_tensors, good_adapter, only, served  # noqa: F401 (fixtures)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
