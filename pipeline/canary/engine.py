@@ -235,7 +235,7 @@ def run_canary(
         acceptance_ratio=ratio(ad_speed.mean_acceptance_length, base_speed.mean_acceptance_length),
         tolerance={},
         engine_adapter_equals_base=all(a.tokens == b.tokens for a, b in zip(ad_out, base_out, strict=True)),
-        problems=[],
+        findings=[],
         notes=notes,
         weights_sha256=_weights_sha256(adapter_dir),
         time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

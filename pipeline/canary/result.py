@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pipeline.canary.prompts import Prompt
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed
+from pipeline.findings import Finding
 
 
 class CanaryError(CheckFailed):
@@ -66,7 +67,7 @@ class CanaryResult:
     acceptance_ratio: float | None  # adapter / base mean acceptance length
     tolerance: dict
     engine_adapter_equals_base: bool
-    problems: list[str]
+    findings: list[Finding]  # canary.* errors: what failed, where, how to fix
     notes: list[str]
     weights_sha256: str | None
     time: str
@@ -74,11 +75,17 @@ class CanaryResult:
     unloaded: bool = True
 
     @property
+    def problems(self) -> list[str]:
+        """The messages of the failed checks (empty: pass)."""
+        return [f.message for f in self.findings if f.severity == "error"]
+
+    @property
     def verdict(self) -> str:
         return "fail" if self.problems else "pass"
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["problems"] = self.problems
         d["verdict"] = self.verdict
         return d
 
@@ -136,7 +143,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside: list[str]) -> None:
-    """Fill `res.tolerance` and `res.problems` (each a full sentence: what, where, how to fix)."""
+    """Fill `res.tolerance` and `res.findings` (ids `canary.*`, each message: what, where, how to fix)."""
     c = cfg.canary
     base, ad = res.parity["base"], res.parity["adapter"]
     quantised = bool(res.served.get("quantised"))
@@ -153,11 +160,16 @@ def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside:
     }
     where = f"staging {res.staging} ({res.served.get('engine_model')})"
     if not base_ok and not quantised:
-        res.problems.append(
-            f"engine/precision gap on the BASE alone: token agreement {base.agreement:.3f} (min {c.min_token_agreement}), "
-            f"max logprob diff {base.max_logprob_diff:.4f} nats (max {c.max_logprob_diff}) at {base.max_logprob_diff_at} "
-            f"on {where}: the engine and the reference disagree before any adapter; check the checkpoint it serves, "
-            f"--dtype, and the vLLM version (set canary.quantised: true if the served base is quantised)"
+        res.findings.append(
+            Finding(
+                "canary.base_gap",
+                "error",
+                f"engine/precision gap on the BASE alone: token agreement {base.agreement:.3f} (min {c.min_token_agreement}), "
+                f"max logprob diff {base.max_logprob_diff:.4f} nats (max {c.max_logprob_diff}) at {base.max_logprob_diff_at} "
+                f"on {where}: the engine and the reference disagree before any adapter; check the checkpoint it serves, "
+                f"--dtype, and the vLLM version (set canary.quantised: true if the served base is quantised)",
+                where,
+            )
         )
     bad_agree, bad_diff = ad.agreement < min_agree, ad.max_logprob_diff > max_diff
     if not (bad_agree or bad_diff):
@@ -168,11 +180,16 @@ def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside:
             if outside
             else "modules outside the instance's --lora-target-modules, or tensors the engine ignores"
         )
-        res.problems.append(
-            f"the engine serves the adapter as the base: its greedy output equals the base's on all "
-            f"{len(res.prompts)} canary prompts, but PEFT's differs (token agreement {ad.agreement:.3f}, first "
-            f"divergence at token {ad.first_divergence} of {ad.first_divergence_prompt}): {hint}; "
-            f"retrain with target modules the fleet applies, or change the fleet's --lora-target-modules"
+        res.findings.append(
+            Finding(
+                "canary.adapter_is_base",
+                "error",
+                f"the engine serves the adapter as the base: its greedy output equals the base's on all "
+                f"{len(res.prompts)} canary prompts, but PEFT's differs (token agreement {ad.agreement:.3f}, first "
+                f"divergence at token {ad.first_divergence} of {ad.first_divergence_prompt}): {hint}; "
+                f"retrain with target modules the fleet applies, or change the fleet's --lora-target-modules",
+                where,
+            )
         )
     else:
         if rank_notes:
@@ -182,27 +199,42 @@ def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside:
             )
         else:
             why = "the engine applies the adapter differently from PEFT (wrong scale, modules missing, another base)"
-        res.problems.append(
-            f"adapter parity failed on {where}: token agreement {ad.agreement:.3f} (min {min_agree:.3f}), max logprob "
-            f"diff {ad.max_logprob_diff:.4f} nats (max {max_diff:.4f}) at {ad.max_logprob_diff_at}, first divergence at "
-            f"token {ad.first_divergence} of {ad.first_divergence_prompt}; the base alone agrees {base.agreement:.3f} "
-            f"(max diff {base.max_logprob_diff:.4f}): {why}"
+        res.findings.append(
+            Finding(
+                "canary.adapter_parity",
+                "error",
+                f"adapter parity failed on {where}: token agreement {ad.agreement:.3f} (min {min_agree:.3f}), max logprob "
+                f"diff {ad.max_logprob_diff:.4f} nats (max {max_diff:.4f}) at {ad.max_logprob_diff_at}, first divergence at "
+                f"token {ad.first_divergence} of {ad.first_divergence_prompt}; the base alone agrees {base.agreement:.3f} "
+                f"(max diff {base.max_logprob_diff:.4f}): {why}",
+                where,
+            )
         )
     if c.min_speed_ratio is not None and res.speed_ratio is not None and res.speed_ratio < c.min_speed_ratio:
-        res.problems.append(
-            f"decode speed with the adapter is {res.speed_ratio:.2f}x the base's (time per output token "
-            f"{_ms(res.speed['adapter'].tpot_s)} vs {_ms(res.speed['base'].tpot_s)}), below canary.min_speed_ratio "
-            f"{c.min_speed_ratio}"
+        res.findings.append(
+            Finding(
+                "canary.speed",
+                "error",
+                f"decode speed with the adapter is {res.speed_ratio:.2f}x the base's (time per output token "
+                f"{_ms(res.speed['adapter'].tpot_s)} vs {_ms(res.speed['base'].tpot_s)}), below canary.min_speed_ratio "
+                f"{c.min_speed_ratio}",
+                where,
+            )
         )
     if (
         c.min_acceptance_ratio is not None
         and res.acceptance_ratio is not None
         and res.acceptance_ratio < c.min_acceptance_ratio
     ):
-        res.problems.append(
-            f"mean acceptance length with the adapter {res.speed['adapter'].mean_acceptance_length:.2f} is "
-            f"{res.acceptance_ratio:.2f}x the base's {res.speed['base'].mean_acceptance_length:.2f}, below "
-            f"canary.min_acceptance_ratio {c.min_acceptance_ratio}: the drafter (no LoRA) no longer predicts it"
+        res.findings.append(
+            Finding(
+                "canary.acceptance",
+                "error",
+                f"mean acceptance length with the adapter {res.speed['adapter'].mean_acceptance_length:.2f} is "
+                f"{res.acceptance_ratio:.2f}x the base's {res.speed['base'].mean_acceptance_length:.2f}, below "
+                f"canary.min_acceptance_ratio {c.min_acceptance_ratio}: the drafter (no LoRA) no longer predicts it",
+                where,
+            )
         )
 
 

@@ -110,11 +110,11 @@ def _result(base_agree: float, base_diff: float, ad_agree: float, ad_diff: float
     "figures, quantised, verdict, words",
     [
         ((1.0, 0.0, 0.99, 0.05), False, "pass", None),
-        ((1.0, 0.0, 0.80, 0.05), False, "fail", "adapter parity failed"),
-        ((0.90, 0.3, 0.90, 0.3), False, "fail", "engine/precision gap on the BASE"),
+        ((1.0, 0.0, 0.80, 0.05), False, "fail", ("canary.adapter_parity", "adapter parity failed")),
+        ((0.90, 0.3, 0.90, 0.3), False, "fail", ("canary.base_gap", "engine/precision gap on the BASE")),
         # a quantised base: its own gap (agreement 0.90, diff 0.3 nats) sets the tolerance
         ((0.90, 0.3, 0.88, 0.5), True, "pass", None),
-        ((0.90, 0.3, 0.70, 0.5), True, "fail", "adapter parity failed"),
+        ((0.90, 0.3, 0.70, 0.5), True, "fail", ("canary.adapter_parity", "adapter parity failed")),
     ],
 )
 def test_verdict_tolerance_from_the_base(figures, quantised, verdict, words):
@@ -125,6 +125,7 @@ def test_verdict_tolerance_from_the_base(figures, quantised, verdict, words):
     judge(ProjectConfig(), res, [], [])
     assert res.verdict == verdict, res.problems
     if words:
-        assert words in res.problems[0]
+        check_id, text = words
+        assert res.findings[0].id == check_id and text in res.problems[0]
     if quantised:
         assert res.tolerance["max_logprob_diff"] == pytest.approx(0.6)
