@@ -12,8 +12,9 @@
 #
 # Writes OUT_DIR/py.tar.xz (axolotl and what `axolotl train` + `pipeline train` import that the
 # image lacks, ~20 MB) and OUT_DIR/kern.tar.xz (flash-linear-attention + its tilelang backend and
-# z3, ~40 MB), plus OUT_DIR/SHA256SUMS. On the GPU host: scripts/gpu/install.sh OUT_DIR SITE_DIR,
-# then `export PYTHONPATH=SITE_DIR PATH=SITE_DIR/bin:$PATH`.
+# z3, ~40 MB), plus OUT_DIR/SHA256SUMS. On the GPU host
+# then (as scripts/gpu/h200_call.sh does) `tar xJf` both into SITE_DIR and
+# `export PYTHONPATH=SITE_DIR PATH=SITE_DIR/bin:$PATH`.
 #
 # Versions: what pip resolved for axolotl==0.19.0 in the project's CPU virtualenv (the CI stack),
 # except transformers/peft/accelerate/tokenizers/huggingface_hub, which come from the image
@@ -55,6 +56,7 @@ TRAIN=(
     distro==1.9.0 defusedxml==0.7.1 chardet==6.0.0.post1 brotli==1.2.1 zstandard==0.22.0
     pytz==2026.6 sniffio==1.3.1 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 posthog==6.7.11
     liger_kernel==0.8.1 tomlkit==0.13.3
+    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 )
 # published as source only (pure Python): built into wheels here
 SDIST_ONLY=(axolotl-contribs-lgpl==0.0.7 axolotl-contribs-mit==0.0.6)
