@@ -10,6 +10,7 @@ import typer
 
 from pipeline.cli._common import project_config
 from pipeline.dev.demo import run_demo
+from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.tinybase import build_tiny_base
 
 app = typer.Typer(help="Developer tools: tiny models for demos and tests.", no_args_is_help=True)
@@ -32,6 +33,36 @@ def tiny_base(
     """Build a tiny random-weight Qwen3.5 base with a local tokenizer and chat template."""
     build_tiny_base(out, layout=layout.value, seed=seed)
     typer.echo(f"wrote tiny {layout.value} base to {out}")
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"  # draws the weights on the GPU: the 64-layer model in seconds (needs ~55 GB free)
+
+
+@app.command("real-base")
+def real_base(
+    out: Annotated[Path, typer.Argument(help="directory to write (replaced)")],
+    layers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="decoder layers (3 linear-attention + 1 full-attention, repeated); 64 = the real model",
+        ),
+    ] = 64,
+    device: Annotated[Device, typer.Option(help="where to draw the random weights")] = Device.cpu,
+    shard_gb: Annotated[
+        float, typer.Option(min=0.001, help="target shard size, GB (1e9 bytes)")
+    ] = DEFAULT_SHARD_GB,
+    seed: int = 0,
+):
+    """Build a random-weight bf16 base with the exact Qwen3.6-27B geometry in the real checkpoint layout.
+
+    `model.language_model.*` + `model.visual.*` + `mtp.*`, sharded with an index, tokenizer and chat
+    template: what `pipeline train axolotl_configs/qwen3.6-27b-lora.yml --set base_model=OUT` needs
+    on a host without the model hub. 64 layers: ~54 GB on disk.
+    """
+    build_real_base(out, layers, device=device.value, seed=seed, shard_gb=shard_gb, echo=typer.echo)
 
 
 @demo_app.command()

@@ -4,6 +4,11 @@ It adds one TrainerCallback that appends JSON lines to `$PIPELINE_METRICS_FILE` 
 process: `begin` (max_steps, base parameter count), every `log` (step, loss, eval_loss,
 learning_rate, grad_norm, axolotl's token counters, wall time), and `end`. The parent
 `pipeline train` tails the file for its progress bar and for tokens/s and MFU.
+
+Before the model loads it also gives `Qwen3_5ForConditionalGeneration` (the class the shipped
+Qwen3.6-27B config loads) the fused linear cross-entropy that axolotl's Liger integration applies
+to `Qwen3_5ForCausalLM` only, when the config sets `liger_fused_linear_cross_entropy: true`
+(pipeline.train.fused_loss): the 248,320-wide logits are never materialised.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import time
 from axolotl.integrations.base import BasePlugin
 from transformers import TrainerCallback
 
+from pipeline.train.fused_loss import patch_vl_fused_cross_entropy
+
 METRICS_ENV = "PIPELINE_METRICS_FILE"
 
 
@@ -23,8 +30,11 @@ class MetricsFileCallback(TrainerCallback):
         self.path = path
         self.params = None
         if model is not None:
-            # Frozen base parameters: what forward + backward cost is proportional to (6N/token).
-            self.params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+            # Frozen base parameters a text token goes through: what forward + backward cost is
+            # proportional to (6N/token). The vision tower of a VL class does not run on text.
+            self.params = sum(
+                p.numel() for n, p in model.named_parameters() if "lora_" not in n and "visual." not in n
+            )
 
     def _write(self, state, record: dict) -> None:
         if not state.is_world_process_zero:
@@ -60,8 +70,21 @@ class MetricsFileCallback(TrainerCallback):
         self._write(state, {"event": "end", "step": state.global_step})
 
 
+# axolotl model_config_type values whose loaded class is Qwen3_5ForConditionalGeneration
+VL_FUSED_CE_TYPES = ("qwen3_5",)
+
+
 class PipelinePlugin(BasePlugin):
-    """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set."""
+    """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set; fused CE for the Qwen3.5 VL class."""
+
+    def pre_model_load(self, cfg):
+        if cfg.liger_fused_linear_cross_entropy and cfg.model_config_type in VL_FUSED_CE_TYPES:
+            patch_vl_fused_cross_entropy()
+            print(
+                "pipeline: fused linear cross-entropy applied to Qwen3_5ForConditionalGeneration "
+                "(logits are not materialised when labels are given)",
+                flush=True,
+            )
 
     def add_callbacks_pre_trainer(self, cfg, model):
         path = os.environ.get(METRICS_ENV)

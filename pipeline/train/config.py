@@ -25,6 +25,7 @@ ALLOWABLE = {
     "rank": "lora_r outside vLLM's ranks or above the fleet's max_lora_rank cannot load",
     "qlora": "a QLoRA adapter is trained against a 4-bit base, not the bf16 base the fleet's was quantised from",
     "unpinned_base": "a hub base without base_model_revision can change under you",
+    "logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU",
 }
 
 

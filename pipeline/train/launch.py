@@ -37,6 +37,7 @@ from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
+from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
 
 PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
 # Files copied from axolotl's output_dir into the adapter directory.
@@ -66,6 +67,44 @@ PEAK_TFLOPS = {
     "L4": 121.0,
     "RTX PRO 6000": 504.0,
 }
+
+
+# Module names that FSDP2's activation checkpointing (torch.distributed checkpoint_wrapper), FSDP1 and
+# torch.compile insert between a module and its children: the PEFT state dict of an FSDP2 run with
+# `fsdp_config.activation_checkpointing: true` has keys like
+# `...layers.0._checkpoint_wrapped_module._checkpoint_wrapped_module.mlp.up_proj.lora_A.weight`
+# (measured on 2 H200s, benchmarks/RESULTS.md), which no server maps to the base's modules.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def normalise_adapter_keys(path: Path) -> int:
+    """Rewrite `path` (adapter_model.safetensors) without WRAPPER_SEGMENTS in tensor names.
+
+    Returns the number of renamed tensors (0: file untouched). Raises CheckFailed when two tensors
+    would get the same name.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+        metadata = f.metadata()
+        renames = {}
+        for k in keys:
+            new = k
+            for seg in WRAPPER_SEGMENTS:
+                new = new.replace(seg, "")
+            if new != k:
+                renames[k] = new
+        if not renames:
+            return 0
+        tensors = {renames.get(k, k): f.get_tensor(k) for k in keys}
+    if len(tensors) != len(keys):
+        raise CheckFailed(f"{path}: removing wrapper names from tensor names makes two tensors collide")
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+    return len(renames)
 
 
 class TrainError(CheckFailed):
@@ -143,10 +182,22 @@ def check_axolotl_schema(tc: TrainingConfig) -> None:
         raise CheckFailed(f"{tc.path}: axolotl refuses the config: {e}") from None
 
 
-def check_inputs(cfg: ProjectConfig, tc: TrainingConfig, allow: set[str]) -> DatasetReport:
-    """Config servability, axolotl's schema and dataset checks. Raises before anything is written."""
+def check_inputs(
+    cfg: ProjectConfig, tc: TrainingConfig, allow: set[str], world: int = 1, gpus: list[Gpu] | None = None
+) -> DatasetReport:
+    """Config servability, axolotl's schema, GPU preflight (packing on Gated-DeltaNet models,
+    logits memory) and dataset checks. Raises CheckFailed before anything is written.
+
+    `gpus`: the visible GPUs (default: pipeline.train.preflight.detect_gpus()); `world`: processes.
+    """
     check_training_config(tc, cfg.fleet.max_lora_rank, allow)
     check_axolotl_schema(tc)
+    gpus = detect_gpus() if gpus is None else gpus
+    problems = packing_problems(tc, gpus)
+    if "logits_memory" not in allow and (msg := logits_memory_problem(tc, gpus, world)):
+        problems.append(f"{msg} (override with --allow logits_memory)")
+    if problems:
+        raise CheckFailed("training config refused:\n  " + "\n  ".join(problems))
     ds = (tc.data.get("datasets") or [{}])[0]
     report = check_datasets(
         tc.dataset_paths("datasets"),
@@ -362,7 +413,7 @@ def train(
     """
     t0 = time.time()
     tc = load_training_config(Path(config_path), list(overrides), list(overlays))
-    ds_report = check_inputs(cfg, tc, set(allow))
+    ds_report = check_inputs(cfg, tc, set(allow), world=gpus)
     name = name or Path(config_path).stem
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     run_dir = Path(run_dir) if run_dir else cfg.train.runs_dir / f"{name}-{stamp}"
@@ -440,6 +491,9 @@ def train(
     for f in ADAPTER_FILES + TOKENIZER_FILES:
         if (out_dir / f).exists():
             shutil.copy2(out_dir / f, staging / f)
+    renamed = normalise_adapter_keys(staging / "adapter_model.safetensors")
+    if renamed:
+        echo(f"adapter: removed wrapper names ({', '.join(WRAPPER_SEGMENTS)}) from {renamed} tensor names")
     adapter_cfg = json.loads((staging / "adapter_config.json").read_text())
     base = str(tc.data.get("base_model"))
     manifest = {

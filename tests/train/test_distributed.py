@@ -49,3 +49,24 @@ def test_fsdp2_overlay_is_valid_for_axolotl():
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     assert hasattr(modeling_qwen3_5, "Qwen3_5DecoderLayer")
+
+
+def test_fsdp2_checkpoint_wrapper_names_are_removed_from_the_adapter(tmp_path):
+    """An FSDP2 run with activation checkpointing saved `..._checkpoint_wrapped_module._checkpoint_wrapped_module.
+    linear_attn...` keys on 2 H200s (benchmarks/RESULTS.md); pipeline train writes the 1-GPU layout."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeline.train.launch import normalise_adapter_keys
+
+    p = tmp_path / "adapter_model.safetensors"
+    plain = "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight"
+    wrapped = plain.replace("layers.0.", "layers.0._checkpoint_wrapped_module._checkpoint_wrapped_module.")
+    other = "base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_B.weight"
+    save_file({wrapped: torch.ones(16, 64), other: torch.zeros(128, 16)}, str(p), metadata={"format": "pt"})
+    assert normalise_adapter_keys(p) == 1
+    with safe_open(str(p), "pt") as f:
+        assert sorted(f.keys()) == sorted([plain, other]) and f.metadata() == {"format": "pt"}
+        assert f.get_tensor(plain).shape == (16, 64)
+    assert normalise_adapter_keys(p) == 0  # already in the 1-GPU layout: untouched

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call on a lent H200 machine (nvidia-h200-x2): run from the staged folder
+# (scripts/gpu/stage.sh), `bash scripts/gpu/h200_call.sh PLAN`; results under $OUT.
+#
+# Self-contained on a fresh machine: unpacks the bundle (scripts/gpu/bundle.sh) into /tmp/site,
+# builds the random real-geometry bases (`pipeline dev real-base`, on the GPUs) and measures the
+# bf16 matmul peak of each GPU, each only once per machine, then runs the plan of
+# benchmarks/axolotl_h200.py (`pipeline train` through axolotl's CLI). A plan's experiments wait
+# for the base they need, so the 8-layer queue (GPU1) starts while the 64-layer base is written.
+set -uo pipefail
+PLAN=${1:?plan}
+DEADLINE=${2:-480}
+: "${OUT:?OUT must name the results folder}"
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false AXOLOTL_DO_NOT_TRACK=1 WANDB_MODE=disabled
+SITE=/tmp/site
+WORK=/tmp/w
+T0=$(date +%s)
+el() { echo "[$(($(date +%s) - T0))s] $*"; }
+
+if [ ! -e $SITE/.ok ]; then
+    mkdir -p $SITE && tar xJf bundle/py.tar.xz -C $SITE && tar xJf bundle/kern.tar.xz -C $SITE && touch $SITE/.ok
+fi
+cp -a scripts/gpu/stubs/. $SITE/  # stubs may be newer than the bundle
+export PYTHONPATH=$SITE:$ROOT PATH=$SITE/bin:$PATH
+el "bundle ready"
+mkdir -p $WORK && cp -r data $WORK/
+{
+    nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm --format=csv
+    df -h /tmp /dev/shm
+    python3 -c "import sys, torch, transformers, peft, accelerate, axolotl, fla, liger_kernel, tilelang, triton; \
+print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, \
+'accelerate', accelerate.__version__, 'axolotl', axolotl.__version__, 'fla', fla.__version__, 'liger', \
+liger_kernel.__version__ if hasattr(liger_kernel, '__version__') else '?', 'tilelang', tilelang.__version__, 'triton', triton.__version__)"
+} >"$OUT/host.txt" 2>&1
+el "$(tail -1 "$OUT/host.txt")"
+[ -f $WORK/peaks.json ] || python3 benchmarks/axolotl_h200.py peaks --work $WORK >>"$OUT/host.txt" 2>&1
+el "peaks $(cat $WORK/peaks.json)"
+
+build() { # layers gpu
+    [ -f $WORK/real$1/.done ] && return 0
+    CUDA_VISIBLE_DEVICES=$2 python3 -m pipeline dev real-base $WORK/real$1 --layers $1 --device cuda &&
+        touch $WORK/real$1/.done
+}
+mkdir -p $WORK/logs
+build 8 1 >$WORK/logs/build8.log 2>&1 &
+build 64 0 >$WORK/logs/build64.log 2>&1 &
+
+python3 benchmarks/axolotl_h200.py run "$PLAN" --work $WORK --out "$OUT" --deadline-s "$DEADLINE"
+wait
+el "plan $PLAN done"
+if [ "$PLAN" = call2 ]; then
+    timeout 60 python3 benchmarks/axolotl_h200.py adapters --work $WORK --out "$OUT/adapters.json" || true
+    el "adapter checks done"
+fi
+tar czf "$OUT/logs-$PLAN.tgz" -C $WORK logs
+du -sh $WORK/real* 2>/dev/null
+el "end"

@@ -1,0 +1,101 @@
+"""`pipeline dev real-base`: the exact Qwen3.6-27B geometry, in the real checkpoint layout."""
+
+import json
+
+import pytest
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from pipeline.dev.realbase import (
+    QWEN36_27B_TEXT,
+    build_real_base,
+    layer_types,
+    real_config,
+    text_parameter_count,
+)
+
+# A small stand-in geometry for the file-writing tests (the 64-layer model is 54 GB); the real
+# geometry itself is checked through the config and the meta-device parameter count.
+SMALL_TEXT = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    vocab_size=2048,
+)
+SMALL_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2)
+
+
+def test_real_geometry_matches_the_published_model():
+    cfg = real_config(64)
+    t = cfg.text_config
+    assert (t.hidden_size, t.intermediate_size, t.vocab_size) == (5120, 17408, 248320)
+    assert (t.num_attention_heads, t.num_key_value_heads, t.head_dim) == (24, 4, 256)
+    assert (t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim) == (16, 48, 128)
+    assert t.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert t.layer_types.count("full_attention") == 16 and not cfg.tie_word_embeddings
+    assert cfg.vision_config.out_hidden_size == 5120
+    assert layer_types(8) == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    # 26,895,998,464 text parameters at 64 layers (benchmarks/RESULTS.md, counted there on a full
+    # meta-device model), ~26.9 B in docs/qwen3.6-27b.md
+    assert text_parameter_count(64) == 26_895_998_464
+    embed = (
+        2 * QWEN36_27B_TEXT["vocab_size"] * QWEN36_27B_TEXT["hidden_size"] + QWEN36_27B_TEXT["hidden_size"]
+    )
+    assert (text_parameter_count(64) - embed) == 16 * (text_parameter_count(4) - embed)
+
+
+def test_builds_the_real_layout(tmp_path):
+    out = build_real_base(
+        tmp_path / "b",
+        4,
+        text_overrides=SMALL_TEXT,
+        vision_overrides=SMALL_VISION,
+        shard_gb=0.002,
+        echo=lambda m: None,
+    )
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    names = set(idx["weight_map"])
+    shards = sorted(set(idx["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).exists() for s in shards)
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert "model.language_model.layers.3.self_attn.q_proj.weight" in names
+    assert {"lm_head.weight", "model.language_model.embed_tokens.weight", "mtp.fc.weight"} <= names
+    assert any(n.startswith("model.visual.") for n in names) and any(
+        n.startswith("mtp.layers.0.") for n in names
+    )
+    assert not any(n.startswith("model.layers.") for n in names)
+    total = 0
+    for s in shards:
+        with safe_open(str(out / s), "pt") as f:
+            for k in f.keys():
+                assert idx["weight_map"][k] == s
+                t = f.get_tensor(k)
+                total += t.numel() * t.element_size()
+                if k.endswith("q_proj.weight"):  # gated attention: 2 x heads x head_dim
+                    assert tuple(t.shape) == (2 * 4 * 64, 128) and str(t.dtype) == "torch.bfloat16"
+    assert total == idx["metadata"]["total_size"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"] and cfg["model_type"] == "qwen3_5"
+    assert cfg["text_config"]["mtp_num_hidden_layers"] == 1
+    for f in ("tokenizer.json", "chat_template.jinja", "preprocessor_config.json", "generation_config.json"):
+        assert (out / f).exists(), f
+    # transformers loads it as the class the shipped config names, every weight from the files
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+
+
+def test_bad_arguments(tmp_path):
+    from pipeline.cli import app
+
+    with pytest.raises(ValueError, match="layers"):
+        real_config(0)
+    with pytest.raises(ValueError, match="shard_gb"):
+        build_real_base(tmp_path / "x", 4, shard_gb=0)
+    res = CliRunner().invoke(app, ["dev", "real-base", str(tmp_path / "y"), "--layers", "0"])
+    assert res.exit_code == 2 and not (tmp_path / "y").exists()
