@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.errors import CheckFailed, UsageError
+from pipeline.errors import CheckFailed
 from pipeline.train.config import check_training_config, load_training_config, servability_problems
 from tests.support.helpers import REPO
 
@@ -97,9 +97,8 @@ TRAIN_CASES = [
 )
 def test_train_runs_the_validation_rules_before_axolotl(tiny_base, cid, overrides, words):
     from pipeline.train.config import training_findings
-    from pipeline.validate import FleetRules
-
     from pipeline.train.preflight import packing_problems
+    from pipeline.validate import FleetRules
 
     version = "0.27.1" if cid == "serving.version_unknown" else "0.19.2"
     tc = load_training_config(TINY, [f"base_model={tiny_base}", *overrides])
