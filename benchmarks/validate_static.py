@@ -35,6 +35,11 @@ LAYER_TYPES = layer_types(LAYERS)
 BYTES = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
 
+# The served checkpoint below is a text-only export (`Qwen3_5ForCausalLM`), which vLLM registers from 0.32 on
+# (docs/vllm.md): validate against that range.
+VLLM = "0.33.0"
+
+
 def base_tensors(prefix: str, quantized: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{name: (dtype, shape)} of the checkpoint; quantized: decoder linears as NVFP4 (U8 + scales)."""
     t: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -110,7 +115,7 @@ def write_adapter(out: Path, r: int = 16) -> int:
             tensors[p + ".lora_B.weight"] = (torch.randn(o, r, generator=g) * 0.001).to(torch.bfloat16)
             n += r * (o + k)
     out.mkdir(parents=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     targets = sorted({m.split(".")[-1] for m in {**FULL, **LINEAR, **MLP}})
     (out / "adapter_config.json").write_text(
         json.dumps(
@@ -193,12 +198,18 @@ def main() -> None:
         def validate():
             reports.append(
                 validate_adapter(
-                    root / "adapter", root / "base", FleetRules(max_lora_rank=16, served_path=root / "served")
+                    root / "adapter",
+                    root / "base",
+                    FleetRules(max_lora_rank=16, served_path=root / "served", vllm_version=VLLM),
                 )
             )
 
         def validate_no_served():
-            reports.append(validate_adapter(root / "adapter", root / "base", FleetRules(max_lora_rank=16)))
+            reports.append(
+                validate_adapter(
+                    root / "adapter", root / "base", FleetRules(max_lora_rank=16, vllm_version=VLLM)
+                )
+            )
 
         rows = [
             ("baseline: read adapter file", timed(read_file, args.repeat)),

@@ -10,7 +10,7 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.validate import default_base, validate_with_config
+from pipeline.validate import REGISTRY, default_base, validate_with_config
 
 app = typer.Typer()
 
@@ -59,6 +59,10 @@ def validate(
             "plain-LoRA equivalent (in place, parity-checked) before validating",
         ),
     ] = False,
+    allow: Annotated[
+        list[str] | None,
+        typer.Option("--allow", help="check id whose refusal to override, e.g. serving.version_unknown"),
+    ] = None,
     as_json: JsonOption = False,
 ):
     """Check an adapter against the base, the served checkpoint and the fleet. Exit 0 pass, 1 fail, 2 usage."""
@@ -67,6 +71,9 @@ def validate(
         raise UsageError(f"{adapter}: adapter directory not found")
     if base is not None and not base.is_dir():
         raise UsageError(f"{base}: base checkpoint directory not found")
+    unknown = sorted(set(allow or ()) - set(REGISTRY))
+    if unknown:
+        raise UsageError(f"--allow {unknown}: unknown check id (see docs/validation.md)")
     if (base or default_base(cfg, adapter)) is None:
         raise UsageError("no base checkpoint: pass --base DIR or set base.path in pipeline.yaml")
     rep = validate_with_config(
@@ -77,6 +84,7 @@ def validate(
         training_config=training_config,
         behaviour=behaviour,
         fold_rslora=fold_rslora,
+        allow=set(allow or ()),
     )
     if as_json:
         typer.echo(json.dumps(rep.to_dict(), indent=2))

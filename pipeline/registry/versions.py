@@ -203,6 +203,7 @@ def _compact(report: dict) -> dict:
         "weights_sha256": report.get("weights_sha256"),
         "errors": [c["id"] for c in report.get("checks", []) if c.get("severity") == "error"],
         "warnings": [c["id"] for c in report.get("checks", []) if c.get("severity") == "warning"],
+        "bound": report.get("bound") or {},  # what the verdict checked: publish re-checks when it differs
     }
 
 

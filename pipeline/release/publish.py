@@ -33,6 +33,7 @@ from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed
 from pipeline.fleet.rollout import rollout
+from pipeline.validate.publishable import prepare_for_fleet
 
 
 class PublishError(CheckFailed):
@@ -99,6 +100,9 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
         check_publishable(mv, manifest["files"].get("adapter_model.safetensors", ""))
         stage = work / "adapter"
         shutil.copytree(src, stage)
+        # re-validate if the verdict's binding changed; rename keys / fold patterns for the fleet's vLLM (parity proven)
+        for key, value in prepare_for_fleet(cfg, mv.tags or {}, stage).items():
+            manifest[key] = {**manifest.get(key, {}), **value}
         acfg_path = stage / "adapter_config.json"
         acfg = json.loads(acfg_path.read_text())
         original = acfg.get("base_model_name_or_path")

@@ -1,8 +1,9 @@
 """Read an axolotl YAML, apply `--set` overrides, and refuse what a hot-loading vLLM fleet cannot serve.
 
-The axolotl schema itself is axolotl's to validate (it does so when training starts); this
-module only checks what axolotl allows but the fleet does not (vllm/lora/peft_helper.py and
-`--max-lora-rank`), plus the inputs the pipeline must find before starting a trainer.
+The axolotl schema itself is axolotl's to validate (it does so when training starts); what axolotl
+allows but the fleet does not is decided by the same rule set `pipeline validate` runs
+(`pipeline.validate`, scope "train": vLLM's refusals, ranks, templates, tokens, sample packing on
+Gated DeltaNet...), before anything is written; plus the inputs the pipeline must find.
 """
 
 from __future__ import annotations
@@ -14,19 +15,31 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS
+from pipeline.validate.registry import REGISTRY
+from pipeline.validate.report import FleetRules
+from pipeline.validate.train_checks import TRAIN_IDS, check_training
 
-# Check ids that `pipeline train --allow ID` may override, with why the fleet refuses them.
-ALLOWABLE = {
-    "dora": "DoRA adapters are rejected by vLLM (use_dora)",
-    "modules_to_save": "modules_to_save (full copies of modules) are rejected by vLLM",
-    "embedding_targets": "embed_tokens/lm_head LoRA needs a fleet that enables them (and 2.5 GB extra per adapter)",
-    "rslora": "rsLoRA scales by alpha/sqrt(r); the pipeline folds it into lora_alpha only on request",
-    "rank": "lora_r outside vLLM's ranks or above the fleet's max_lora_rank cannot load",
-    "qlora": "a QLoRA adapter is trained against a 4-bit base, not the bf16 base the fleet's was quantised from",
-    "unpinned_base": "a hub base without base_model_revision can change under you",
-    "logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU",
+# Short ids `pipeline train --allow` accepted before the rules were unified, mapped to the rule ids
+# (pipeline.validate: one rule set for `train` and `validate`, docs/validation.md).
+LEGACY_ALLOW = {
+    "dora": "config.dora",
+    "modules_to_save": "config.modules_to_save",
+    "embedding_targets": "config.embedding_targets",
+    "rslora": "config.rslora",
+    "rank": "config.rank",
+    "qlora": "train.qlora",
+    "unpinned_base": "train.unpinned_base",
+    "adapter": "config.peft_type",
+    "targets": "config.required",
+    "base_model": "train.base_model",
 }
+# Every id `--allow` may override: the train-scope rules (plus the legacy short ids), and the GPU preflight's
+# memory estimate (pipeline.train.preflight.logits_memory_problem).
+ALLOWABLE = (
+    {i: REGISTRY[i].doc for i in TRAIN_IDS}
+    | {k: REGISTRY[v].doc for k, v in LEGACY_ALLOW.items()}
+    | {"logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU"}
+)
 
 
 @dataclass
@@ -107,72 +120,48 @@ def load_training_config(path: Path, overrides: list[str] = (), overlays: list[P
     return TrainingConfig(path=path, data=data)
 
 
+def _rules(fleet) -> FleetRules:
+    return fleet if isinstance(fleet, FleetRules) else FleetRules(max_lora_rank=int(fleet))
+
+
+def _allowed(allow) -> set[str]:
+    return {LEGACY_ALLOW.get(a, a) for a in allow}
+
+
+def training_findings(
+    tc: TrainingConfig, fleet, allow: set[str] = frozenset(), served_dir: Path | None = None, packing=None
+):
+    """Findings of the shared rule set (`pipeline.validate`, scope "train") on the config, minus allowed ids.
+
+    `fleet` is a `FleetRules` (or, as before, just the fleet's max_lora_rank). `packing`: the GPU preflight's
+    sample-packing problems (`pipeline.train.preflight.packing_problems`), reported as `train.sample_packing`.
+    """
+    rules = _rules(fleet)
+    return check_training(
+        tc.data, str(tc.path), rules, served_dir or rules.served_path, _allowed(allow), packing=packing
+    ).findings
+
+
 def servability_problems(
-    tc: TrainingConfig, max_lora_rank: int, allow: set[str] = frozenset()
+    tc: TrainingConfig, max_lora_rank, allow: set[str] = frozenset()
 ) -> list[tuple[str, str]]:
-    """(check id, message) for each setting the fleet cannot serve, minus the allowed ids."""
-    d = tc.data
-    where = str(tc.path)
-    problems: list[tuple[str, str]] = []
-    adapter = d.get("adapter")
-    if adapter not in ("lora", "qlora"):
-        problems.append(
-            ("adapter", f"{where}: adapter is {adapter!r}; the fleet hot-loads LoRA: set `adapter: lora`")
-        )
-    elif adapter == "qlora":
-        problems.append(
-            ("qlora", f"{where}: adapter: qlora trains against a 4-bit base: use `adapter: lora`")
-        )
-    if d.get("peft_use_dora"):
-        problems.append(("dora", f"{where}: peft_use_dora: true; vLLM rejects DoRA adapters: remove it"))
-    if d.get("lora_modules_to_save"):
-        problems.append(
-            (
-                "modules_to_save",
-                f"{where}: lora_modules_to_save {d['lora_modules_to_save']} is rejected by vLLM: remove it",
-            )
-        )
-    targets = d.get("lora_target_modules") or []
-    if isinstance(targets, str):
-        targets = [targets]
-    emb = sorted(set(targets) & EMBEDDING_MODULES)
-    if emb:
-        problems.append(
-            (
-                "embedding_targets",
-                f"{where}: lora_target_modules includes {emb}; not servable by a hot-loading fleet",
-            )
-        )
-    if not targets and not d.get("lora_target_linear"):
-        problems.append(("targets", f"{where}: no lora_target_modules: list the projections to adapt"))
-    if d.get("peft_use_rslora"):
-        problems.append(
-            ("rslora", f"{where}: peft_use_rslora: true; use plain LoRA scaling (alpha/r) for the fleet")
-        )
-    r = d.get("lora_r")
-    if not isinstance(r, int) or r not in LORA_RANKS or r > max_lora_rank:
-        problems.append(
-            (
-                "rank",
-                f"{where}: lora_r {r!r} must be one of vLLM's ranks {LORA_RANKS} and <= the fleet's "
-                f"max_lora_rank {max_lora_rank}",
-            )
-        )
-    base = str(d.get("base_model", ""))
-    if not base:
-        problems.append(("base_model", f"{where}: base_model is missing"))
-    elif not Path(base).exists() and not d.get("base_model_revision"):
-        problems.append(
-            (
-                "unpinned_base",
-                f"{where}: base_model {base!r} is a hub id without base_model_revision: pin a commit sha",
-            )
-        )
-    return [(cid, msg) for cid, msg in problems if cid not in allow]
+    """(check id, message) for each error the fleet's rules find in the config, minus the allowed ids."""
+    return [
+        (f.id, f"{f.where}: {f.message}")
+        for f in training_findings(tc, max_lora_rank, allow)
+        if f.severity == "error"
+    ]
 
 
-def check_training_config(tc: TrainingConfig, max_lora_rank: int, allow: set[str] = frozenset()) -> None:
-    """Raise CheckFailed listing every unservable setting and every missing dataset file."""
+def check_training_config(
+    tc: TrainingConfig, max_lora_rank, allow: set[str] = frozenset(), packing: list[str] | None = None
+) -> list:
+    """Raise CheckFailed listing every unservable setting and every missing dataset file.
+
+    `max_lora_rank` is the fleet's `FleetRules` (or its max rank); `packing` the GPU preflight's packing
+    problems (`pipeline.train.preflight.packing_problems`). Returns the warnings (e.g.
+    `config.patterns_ignored`: publish will fold the patterns) for the caller to print.
+    """
     unknown = set(allow) - set(ALLOWABLE)
     if unknown:
         raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(ALLOWABLE)}")
@@ -185,9 +174,11 @@ def check_training_config(tc: TrainingConfig, max_lora_rank: int, allow: set[str
                 f"{tc.path}: {key} must be a list of mappings with a path, e.g. "
                 f"--set '{key}=[{{path: data/train.jsonl, ds_type: json, type: chat_template}}]'; got {value!r}"
             )
+    findings = training_findings(tc, max_lora_rank, set(allow), packing=packing)
     msgs = [
-        f"{m} (override with --allow {cid})" if cid in ALLOWABLE else m
-        for cid, m in servability_problems(tc, max_lora_rank, set(allow))
+        f"{f.where}: {f.message} [{f.id}] (override with --allow {f.id})"
+        for f in findings
+        if f.severity == "error"
     ]
     for key in ("datasets", "test_datasets"):
         for p in tc.dataset_paths(key):
@@ -197,3 +188,4 @@ def check_training_config(tc: TrainingConfig, max_lora_rank: int, allow: set[str
         msgs.append(f"{tc.path}: no datasets")
     if msgs:
         raise CheckFailed("training config refused:\n  " + "\n  ".join(msgs))
+    return [f for f in findings if f.severity != "error"]

@@ -38,6 +38,7 @@ from pipeline.errors import CheckFailed, PipelineError
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
+from pipeline.validate.report import FleetRules
 
 PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
 # Files copied from axolotl's output_dir into the adapter directory.
@@ -190,10 +191,11 @@ def check_inputs(
 
     `gpus`: the visible GPUs (default: pipeline.train.preflight.detect_gpus()); `world`: processes.
     """
-    check_training_config(tc, cfg.fleet.max_lora_rank, allow)
-    check_axolotl_schema(tc)
     gpus = detect_gpus() if gpus is None else gpus
-    problems = packing_problems(tc, gpus)
+    # the rules `validate` runs (train scope), the preflight's packing facts among them (train.sample_packing)
+    check_training_config(tc, FleetRules.from_config(cfg), allow, packing=packing_problems(tc, gpus))
+    check_axolotl_schema(tc)
+    problems = []
     if "logits_memory" not in allow and (msg := logits_memory_problem(tc, gpus, world)):
         problems.append(f"{msg} (override with --allow logits_memory)")
     if problems:

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 from pipeline.artifacts.manifest import read_manifest
+from pipeline.validate.registry import Issue, check
 
 MAX_NEW_TOKENS = 8
 BATCH = 8
@@ -164,17 +165,13 @@ def greedy_matches(model, tok, prompts, continuations: list[list[int]]) -> list[
     return out
 
 
-def run(adapter_dir: Path, base_dir: Path | None, rep, validation_files: list[Path] | None = None) -> None:
-    """Add `behaviour.*` checks and stats to `rep`."""
-    adapter_dir = Path(adapter_dir)
-    if base_dir is None:
-        rep.add("behaviour.unavailable", "error", "--behaviour needs the bf16 base: pass --base DIR", "")
-        return
-    if not rep.passed:
-        rep.add(
-            "behaviour.skipped", "info", "behaviour checks skipped: static checks failed", str(adapter_dir)
-        )
-        return
+class BehaviourUnavailable(Exception):
+    """Base + adapter cannot be loaded with transformers/peft (message says why)."""
+
+
+def evaluate(adapter_dir: Path, base_dir: Path, validation_files: list[Path] | None = None) -> dict:
+    """Load base + adapter and measure: {eval_loss_base, eval_loss_adapter, eval_tokens, conversations,
+    validation_files, canaries_identical, canaries_total}. Raises BehaviourUnavailable."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -184,14 +181,10 @@ def run(adapter_dir: Path, base_dir: Path | None, rep, validation_files: list[Pa
         model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     except Exception as e:  # noqa: BLE001 - e.g. a VL-layout base transformers cannot load as a causal LM
-        rep.add(
-            "behaviour.unavailable",
-            "error",
-            f"cannot load base + adapter with transformers/peft "
-            f"({type(e).__name__}: {e}): pass --base with a transformers-loadable checkpoint",
-            str(base_dir),
-        )
-        return
+        raise BehaviourUnavailable(
+            f"cannot load base + adapter with transformers/peft ({type(e).__name__}: {e}): pass --base with a "
+            "transformers-loadable checkpoint"
+        ) from e
     model.eval()
     files = validation_files if validation_files is not None else validation_files_from_manifest(adapter_dir)
     convs = _conversations(files)
@@ -207,41 +200,94 @@ def run(adapter_dir: Path, base_dir: Path | None, rep, validation_files: list[Pa
                 "eval_tokens": n,
             }
         )
-        if not math.isfinite(lora_loss):
-            rep.add(
-                "behaviour.eval_loss",
-                "error",
-                f"eval loss with the adapter is {lora_loss}: the adapter produces non-finite logits; retrain",
-                str(adapter_dir),
-            )
-        elif lora_loss > base_loss:
-            rep.add(
-                "behaviour.eval_loss",
-                "error",
-                f"eval loss with the adapter {lora_loss:.4f} > base "
-                f"{base_loss:.4f} nats/token on {n} assistant tokens of {len(convs)} validation conversations: "
-                "the adapter makes held-out data worse; check the data, learning rate and chat template",
-                str(adapter_dir),
-            )
-    else:
-        rep.add(
-            "behaviour.no_data",
-            "warning",
-            "no validation conversations (manifest lists none): eval loss not "
-            "compared; train with test_datasets",
-            str(adapter_dir),
-        )
     with model.disable_adapter():
         base_out = greedy(model, tok)
     same = sum(greedy_matches(model, tok, CANARIES, base_out))
     stats["canaries_identical"] = f"{same}/{len(CANARIES)}"
-    if same == len(CANARIES):
-        rep.add(
-            "behaviour.canary",
-            "error",
-            f"greedy outputs on all {len(CANARIES)} canary prompts equal the base's: "
-            "the adapter has no effect (near-zero lora_B, wrong scale, or tensor names that do not match the "
-            "base's modules)",
-            str(adapter_dir),
+    return stats
+
+
+def _result(ctx):
+    """The behaviour measurements of this validation (cached on ctx); Unavailable when not measured."""
+    if "behaviour" not in ctx.__dict__:
+        if ctx.base_dir is None:
+            ctx.__dict__["behaviour"] = (None, "--behaviour needs the bf16 base: pass --base DIR", "skip")
+        elif not ctx.report.passed:
+            ctx.__dict__["behaviour"] = (None, None, "static")
+        else:
+            try:
+                stats = evaluate(ctx.adapter_dir, ctx.base_dir, ctx.options.validation_files)
+                ctx.report.stats["behaviour"] = stats
+                ctx.__dict__["behaviour"] = (stats, None, None)
+            except BehaviourUnavailable as e:
+                ctx.__dict__["behaviour"] = (None, str(e), "load")
+    return ctx.__dict__["behaviour"]
+
+
+@check(
+    "behaviour.unavailable",
+    "error",
+    "`--behaviour`: base + adapter cannot be loaded with transformers/peft",
+    option="behaviour",
+)
+def unavailable(ctx):
+    _, err, _ = _result(ctx)
+    if err:
+        yield Issue(err, str(ctx.base_dir or ""))
+
+
+@check("behaviour.skipped", "info", "`--behaviour` not run because static checks failed", option="behaviour")
+def skipped(ctx):
+    if _result(ctx)[2] == "static":
+        yield Issue("behaviour checks skipped: static checks failed", str(ctx.adapter_dir))
+
+
+@check(
+    "behaviour.eval_loss",
+    "error",
+    "adapter's assistant-token NLL on the validation set > the base's (or non-finite)",
+    option="behaviour",
+)
+def eval_loss_worse(ctx):
+    stats = _result(ctx)[0]
+    if not stats or "eval_loss_adapter" not in stats:
+        return
+    lora, base, n = stats["eval_loss_adapter"], stats["eval_loss_base"], stats["eval_tokens"]
+    if not math.isfinite(lora):
+        yield Issue(
+            f"eval loss with the adapter is {lora}: the adapter produces non-finite logits; retrain",
+            str(ctx.adapter_dir),
         )
-    rep.stats["behaviour"] = stats
+    elif lora > base:
+        yield Issue(
+            f"eval loss with the adapter {lora:.4f} > base {base:.4f} nats/token on {n} assistant tokens of "
+            f"{stats['conversations']} validation conversations: the adapter makes held-out data worse; check the "
+            "data, learning rate and chat template",
+            str(ctx.adapter_dir),
+        )
+
+
+@check("behaviour.no_data", "warning", "`--behaviour` without validation conversations", option="behaviour")
+def no_data(ctx):
+    stats = _result(ctx)[0]
+    if stats is not None and not stats["conversations"]:
+        yield Issue(
+            "no validation conversations (manifest lists none): eval loss not compared; train with test_datasets",
+            str(ctx.adapter_dir),
+        )
+
+
+@check(
+    "behaviour.canary",
+    "error",
+    "greedy outputs on all canary prompts equal the base's (the adapter has no effect)",
+    option="behaviour",
+)
+def canary(ctx):
+    stats = _result(ctx)[0]
+    if stats is not None and stats["canaries_identical"] == f"{len(CANARIES)}/{len(CANARIES)}":
+        yield Issue(
+            f"greedy outputs on all {len(CANARIES)} canary prompts equal the base's: the adapter has no effect "
+            "(near-zero lora_B, wrong scale, or tensor names that do not match the base's modules)",
+            str(ctx.adapter_dir),
+        )

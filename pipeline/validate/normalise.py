@@ -1,4 +1,8 @@
-"""Normalise an rsLoRA adapter to plain LoRA scaling, proving the served scale is unchanged.
+"""Normalise an adapter so the fleet serves exactly what was trained, proving parity each time.
+
+`fold_rslora` (`pipeline validate --fold-rslora`), and for publish `normalise_for_serving`: keys renamed to
+the served layout, rank_pattern/alpha_pattern folded into lora_B for a vLLM that ignores them, safetensors
+`format` metadata. The rsLoRA fold:
 
 rsLoRA scales a module's update by `alpha / sqrt(r)`, plain LoRA by `alpha / r` (peft's
 LoraLayer, vllm/lora/peft_helper.py). Folding sets `lora_alpha' = alpha * sqrt(r)` (and the
@@ -29,6 +33,8 @@ from pipeline.artifacts.adapter import (
 )
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
+from pipeline.artifacts.safetensors import file_metadata, read_safetensors_header, write_safetensors
+from pipeline.serving.modules import runtime_target, served_key_prefix
 
 REL_TOL = 1e-9
 
@@ -117,3 +123,202 @@ def scale_table(raw: dict, modules: list[str]) -> dict[str, float]:
     """{module: scale} under a config (for reports and tests)."""
     cfg = AdapterConfig(json.loads(json.dumps(raw)), Path(CONFIG_FILE))
     return {m: cfg.scale_for(m) for m in modules}
+
+
+# -- normalising for the served vLLM version (publish) ---------------------------------------------------------------
+def _read_tensors(wfile: Path) -> tuple[dict, dict]:
+    """({name: (dtype, shape, bytes)} in file order, __metadata__ or {}). Raises HeaderError/OSError."""
+    header = read_safetensors_header(wfile)
+    data = wfile.read_bytes()
+    return {n: (i.dtype, i.shape, data[i.offset : i.offset + i.nbytes]) for n, i in header.items()}, (
+        file_metadata(wfile) or {}
+    )
+
+
+def _rename_key(tensor: str, old: str, new: str) -> str:
+    stem = tensor.removeprefix("base_model.model.")
+    head = tensor[: len(tensor) - len(stem)]
+    return head + new + stem[len(old) :] if stem.startswith(old) else tensor
+
+
+def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
+    """Rename decoder-layer keys the served class never applies into its layout (`model.layers.N` ->
+    `model.language_model.layers.N` for `Qwen3_5ForConditionalGeneration`), in place.
+
+    Parity: every tensor's bytes are unchanged, each renamed module keeps its scale (pattern keys naming
+    the old prefix are renamed too) and PEFT's matching targets the same modules. Returns the manifest
+    record, or None when nothing needed renaming. Raises ParityError (nothing written).
+    """
+    adapter_dir = Path(adapter_dir)
+    want = served_key_prefix(architecture)
+    if want is None:
+        return None
+    old_prefix = {
+        "model.language_model.layers.": "model.layers.",
+        "model.layers.": "model.language_model.layers.",
+    }[want]
+    wfile = adapter_dir / WEIGHTS_FILE
+    tensors, meta = _read_tensors(wfile)
+    renames = {}
+    for name in tensors:
+        k = parse_key(name)
+        if (
+            k
+            and k.peft_module.startswith(old_prefix)
+            and runtime_target(k.peft_module, architecture, rng).status != "applied"
+        ):
+            renames[name] = _rename_key(name, old_prefix, want)
+    if not renames:
+        return None
+    new_names = [renames.get(n, n) for n in tensors]
+    if len(set(new_names)) != len(new_names):
+        raise ParityError(f"{wfile}: renaming {old_prefix}N to {want}N would collide with keys already there")
+    cfg = load_adapter_config(adapter_dir)
+    raw = json.loads(json.dumps(cfg.raw))
+    for field_name in ("rank_pattern", "alpha_pattern"):
+        if isinstance(raw.get(field_name), dict):
+            raw[field_name] = {k.replace(old_prefix, want): v for k, v in raw[field_name].items()}
+    if isinstance(raw.get("target_modules"), list):
+        raw["target_modules"] = [t.replace(old_prefix, want) for t in raw["target_modules"]]
+    new_cfg = AdapterConfig(raw, cfg.path)
+    bad = []
+    for name, new in renames.items():
+        old_mod, new_mod = parse_key(name).peft_module, parse_key(new).peft_module
+        if not math.isclose(
+            cfg.scale_for(old_mod), new_cfg.scale_for(new_mod), rel_tol=REL_TOL
+        ) or cfg.targets(old_mod) != new_cfg.targets(new_mod):
+            bad.append(old_mod)
+    if bad:
+        raise ParityError(
+            f"{cfg.path}: renaming changes the scale or targeting of {sorted(set(bad))[:5]}: left unchanged"
+        )
+    out = {renames.get(n, n): v for n, v in tensors.items()}
+    write_safetensors(wfile, out, {**meta, "format": "pt"})
+    written = read_safetensors_header(wfile)
+    check = wfile.read_bytes()
+    for name, (_, _, data) in tensors.items():
+        info = written[renames.get(name, name)]
+        if check[info.offset : info.offset + info.nbytes] != data:
+            raise ParityError(f"{wfile}: tensor {name} changed while renaming")
+    if raw != cfg.raw:
+        write_json_atomic(cfg.path, raw)
+    modules = sorted({parse_key(n).peft_module for n in renames})
+    return {
+        "from": f"{old_prefix}N",
+        "to": f"{want}N",
+        "architecture": architecture,
+        "vllm": rng.name,
+        "modules": len(modules),
+        "tensors": len(renames),
+        "parity": "tensor bytes identical; scale and PEFT targeting identical per module",
+    }
+
+
+def fold_patterns(adapter_dir: Path, rng) -> dict | None:
+    """Fold rank_pattern/alpha_pattern scales into lora_B for a vLLM that ignores the patterns, in place.
+
+    vLLM 0.19-0.25 scale every module by the global alpha/r (docs/vllm.md); PEFT trained module m with
+    s(m) = alpha_pattern(m)/rank_pattern(m). Folding writes B' = B x s(m)/(alpha/r) (float32) and replaces
+    alpha_pattern with exact per-module entries alpha'(m) = (alpha/r) x rank(m), so a version that honours
+    the patterns (0.32+, PEFT) and one that ignores them both apply alpha/r x B' = s(m) x B. Parity is
+    checked per module on the written file (max |s_new x B' - s(m) x B| <= 1e-6 x max |s(m) x B|).
+    Returns the manifest record, or None when no module's scale differs. Raises ParityError.
+    """
+    import numpy as np
+
+    adapter_dir = Path(adapter_dir)
+    if rng.honours_patterns:
+        return None
+    cfg = load_adapter_config(adapter_dir)
+    if not cfg.r or not (cfg.raw.get("rank_pattern") or cfg.raw.get("alpha_pattern")):
+        return None
+    glob = cfg.global_scale()
+    wfile = adapter_dir / WEIGHTS_FILE
+    tensors, meta = _read_tensors(wfile)
+    modules = sorted({k.peft_module for n in tensors if (k := parse_key(n))})
+    factors = {m: cfg.scale_for(m) / glob for m in modules}
+    changed = {m: f for m, f in factors.items() if not math.isclose(f, 1.0, rel_tol=REL_TOL)}
+    if not changed or glob == 0:
+        return None
+    out = dict(tensors)
+    for name, (dtype, shape, data) in tensors.items():
+        k = parse_key(name)
+        if k and k.kind == "B" and k.peft_module in changed:
+            b = _to_f32(data, dtype) * np.float64(changed[k.peft_module])
+            out[name] = ("F32", shape, b.astype("<f4").tobytes())
+    raw = json.loads(json.dumps(cfg.raw))
+    root = math.sqrt if cfg.use_rslora else (lambda x: x)
+    raw["alpha_pattern"] = {
+        re.escape(m): glob * root(cfg.rank_for(m)) for m in modules if cfg.rank_for(m) != cfg.r
+    }
+    new_cfg = AdapterConfig(raw, cfg.path)
+    bad = [m for m in modules if not math.isclose(new_cfg.scale_for(m), glob, rel_tol=REL_TOL)]
+    if bad:
+        raise ParityError(f"{cfg.path}: folding patterns leaves {bad[:5]} with another scale: left unchanged")
+    write_safetensors(wfile, out, {**meta, "format": "pt"})
+    written = read_safetensors_header(wfile)
+    blob = wfile.read_bytes()
+    for name, (dtype, _, data) in tensors.items():
+        k = parse_key(name)
+        if not (k and k.kind == "B"):
+            continue
+        info = written[name]
+        new_b = _to_f32(blob[info.offset : info.offset + info.nbytes], info.dtype) * glob
+        old_b = _to_f32(data, dtype) * cfg.scale_for(k.peft_module)
+        tol = 1e-6 * max(float(np.abs(old_b).max()), 1e-30)
+        if float(np.abs(new_b - old_b).max()) > tol:
+            raise ParityError(f"{wfile}: folded {name} differs from the trained delta")
+    write_json_atomic(cfg.path, raw)
+    return {
+        "vllm": rng.name,
+        "reason": "the fleet's vLLM ignores rank_pattern/alpha_pattern (global alpha/r)",
+        "global_scale": glob,
+        "modules": {m: round(f, 9) for m, f in sorted(changed.items())},
+        "before": {
+            "rank_pattern": cfg.raw.get("rank_pattern"),
+            "alpha_pattern": cfg.raw.get("alpha_pattern"),
+        },
+        "after": {"alpha_pattern": raw["alpha_pattern"]},
+        "parity": "per module: alpha/r x B' equals the trained scale x B (rel 1e-6); lora_A unchanged",
+    }
+
+
+def ensure_format_metadata(adapter_dir: Path) -> dict | None:
+    """Write `__metadata__ {"format": "pt"}` into the weights file when missing (tensor bytes unchanged)."""
+    wfile = Path(adapter_dir) / WEIGHTS_FILE
+    meta = file_metadata(wfile)
+    if (meta or {}).get("format") == "pt":
+        return None
+    tensors, meta = _read_tensors(wfile)
+    write_safetensors(wfile, tensors, {**meta, "format": "pt"})
+    return {"before": meta or None, "after": {**meta, "format": "pt"}}
+
+
+def _to_f32(data: bytes, dtype: str):
+    import numpy as np
+
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if dtype == "BF16":
+        out = np.zeros(len(data) // 2, dtype=np.float32)
+        out.view(np.uint16)[1::2] = raw.view(np.uint16)
+        return out.astype(np.float64)
+    if dtype == "F16":
+        return raw.view(np.float16).astype(np.float64)
+    return raw.view(np.float32).astype(np.float64)
+
+
+def normalise_for_serving(adapter_dir: Path, architecture: str | None, rng) -> dict:
+    """Make `adapter_dir` (a staging copy) serve exactly as trained on `rng` with `architecture`, in place.
+
+    Steps, each only when needed, each parity-proven: `layout` (`rename_layout`), `patterns`
+    (`fold_patterns`), `safetensors_metadata` (`ensure_format_metadata`). Returns {step: record} for
+    the manifest's `normalised`. Raises ParityError (the caller refuses to publish).
+    """
+    out = {}
+    if architecture is not None and (rec := rename_layout(adapter_dir, architecture, rng)):
+        out["layout"] = rec
+    if rec := fold_patterns(adapter_dir, rng):
+        out["patterns"] = rec
+    if rec := ensure_format_metadata(adapter_dir):
+        out["safetensors_metadata"] = rec
+    return out

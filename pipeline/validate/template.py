@@ -1,25 +1,39 @@
-"""Tokenizer and chat-template checks: the fleet must tokenize conversations as training did.
+"""Tokenizer and chat-template parity: the fleet must tokenize conversations as training did.
 
-vLLM serves a LoRA with the served checkpoint's tokenizer and chat template (the adapter's
-own tokenizer files are not used), so:
-- tokenizer files shipped with the adapter must match the served base: same vocabulary, no
-  added tokens (an added token has no trained embedding row in the served model);
+vLLM serves a LoRA with the served checkpoint's tokenizer and chat template (the adapter's own
+tokenizer files are not used), so:
+- tokenizer files shipped with the adapter must match the served base: same vocabulary, no added
+  tokens (an added token has no trained embedding row in the served model);
 - a fixed set of conversations (plain, multi-turn, system prompt, tool call + tool result,
-  reasoning) rendered with the training template (axolotl's `chat_template` choice, resolved by
-  axolotl itself) and with the served template must give the same token ids; the first
-  divergence is reported with decoded context.
+  reasoning) rendered with the training template and with the served template must give the same
+  token ids, and so must every prompt (`add_generation_prompt`); the first divergence is reported
+  with decoded context;
+- the token that ends an assistant turn in the training template must be the training tokenizer's
+  `eos_token` (axolotl trains the EOS token at the end of each turn: otherwise the turn terminator is
+  never learned and the adapter does not stop), and one the served engine stops at.
 
-transformers (and axolotl's template lookup) are imported only when there is something to compare.
+The training template is the one axolotl resolved (`chat_template` / `chat_template_jinja`, per-dataset
+override first: axolotl/utils/chat_templates/base.py `get_chat_template_from_config`, whose named templates
+are read from axolotl's package data without importing it), else the template shipped with the adapter
+(`chat_template.jinja`, even without tokenizer files). Rendering uses `pipeline.validate.chat` (jinja2 +
+tokenizers, no transformers).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-from pipeline.artifacts.manifest import read_manifest
+import yaml
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+from pipeline.artifacts.manifest import read_manifest
+from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer, read_template, render
+from pipeline.validate.registry import Unavailable
+
 CONTEXT_TOKENS = 8
+BOTH = ("adapter", "train")
 
 _TOOLS = [
     {
@@ -84,126 +98,109 @@ CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
         None,
     ),
 }
+MARKER = "ZQXJ marker reply"
 
 
-def _has_tokenizer(d: Path | None) -> bool:
-    return d is not None and any((Path(d) / f).is_file() for f in TOKENIZER_FILES)
-
-
-def _load_tokenizer(d: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(d))
-
-
-def served_tokenizer_dir(served, base) -> Path | None:
-    """The tokenizer the fleet uses: the served checkpoint's, else the base's (same model)."""
-    for ck in (served, base):
-        if ck is not None and _has_tokenizer(ck.path):
-            return ck.path
+# -- resolving the training template ------------------------------------------------------------------------------
+def axolotl_named_template(name: str) -> str | None:
+    """The text of axolotl's named chat template `name` (axolotl/utils/chat_templates/templates/<name>.jinja)."""
+    spec = importlib.util.find_spec("axolotl")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        f = Path(root) / "utils" / "chat_templates" / "templates" / f"{name}.jinja"
+        if f.is_file():
+            return f.read_text()
     return None
 
 
-def check_tokenizer(adapter_dir: Path, served_tok, served_dir: Path, rep) -> None:
-    """Adapter-shipped tokenizer vs the served one: same vocabulary and no added tokens."""
-    try:
-        atok = _load_tokenizer(adapter_dir)
-    except Exception as e:  # noqa: BLE001 - any load failure is a finding, not a crash
-        rep.add(
-            "tokenizer.unreadable",
-            "error",
-            f"tokenizer files cannot be loaded ({type(e).__name__}: {e}): remove "
-            "them or copy the served base's",
-            str(adapter_dir),
-        )
-        return
-    av, sv = atok.get_vocab(), served_tok.get_vocab()
-    s_added = {t.content for t in served_tok.added_tokens_decoder.values()}
-    added = sorted((t.content, i) for i, t in atok.added_tokens_decoder.items() if t.content not in s_added)
-    extra = sorted((i, t) for t, i in av.items() if t not in sv)
-    if added:
-        rep.add(
-            "tokenizer.added_tokens",
-            "error",
-            f"the adapter's tokenizer adds {len(added)} token(s) the served base "
-            f"lacks, e.g. {added[:5]}: they have no trained embedding in the served model; retrain without "
-            "adding tokens (no `tokens:`/`special_tokens` additions in the axolotl config)",
-            str(adapter_dir / "tokenizer.json"),
-        )
-    added_ids = {i for _, i in added}
-    other = [(i, t) for i, t in extra if i not in added_ids]
-    moved = sorted((av[t], t, sv[t]) for t in av.keys() & sv.keys() if av[t] != sv[t])
-    lacking = sorted((i, t) for t, i in sv.items() if t not in av)
-    if other or moved or lacking:
-        first = (
-            other[:3]
-            or [(i, f"{t} (served id {j})") for i, t, j in moved[:3]]
-            or [(i, f"{t} (only in served)") for i, t in lacking[:3]]
-        )
-        rep.add(
-            "tokenizer.vocab",
-            "error",
-            f"vocabulary differs from the served base ({len(av)} vs {len(sv)} "
-            f"tokens; first differences {first}): the adapter was trained with another tokenizer; retrain with "
-            f"the served base's tokenizer ({served_dir})",
-            str(adapter_dir / "tokenizer.json"),
-        )
+def resolve_axolotl_template(data: dict, tokenizer_template: str | None) -> tuple[str, str]:
+    """(template text, choice) the way axolotl's `get_chat_template_from_config` resolves it for the first dataset.
+
+    Raises ValueError when axolotl would (no template on the tokenizer for tokenizer_default, unknown name).
+    """
+    ds = (data.get("datasets") or [None])[0]
+    if isinstance(ds, dict) and ds.get("chat_template"):
+        choice, jinja = ds.get("chat_template") or "tokenizer_default", ds.get("chat_template_jinja")
+    else:
+        choice, jinja = data.get("chat_template") or "tokenizer_default", data.get("chat_template_jinja")
+    if choice == "jinja":
+        if not jinja:
+            raise ValueError("chat_template: jinja without chat_template_jinja")
+        p = Path(str(jinja))
+        return (p.read_text() if p.is_file() else str(jinja)), choice
+    if choice == "tokenizer_default":
+        if not tokenizer_template:
+            raise ValueError("chat_template: tokenizer_default but the tokenizer has no chat_template")
+        return tokenizer_template, choice
+    prefix = "tokenizer_default_fallback_"
+    if choice.startswith(prefix):
+        if tokenizer_template:
+            return tokenizer_template, choice
+        choice = choice[len(prefix) :]
+    named = axolotl_named_template(choice)
+    if named is None:
+        raise ValueError(f"chat_template {choice!r} is not one of axolotl's templates")
+    return named, choice
 
 
 def training_config_path(adapter_dir: Path, training_config: Path | None) -> Path | None:
     """The resolved axolotl config: the one given, else `resolved_config` from manifest.json if it exists."""
     if training_config is not None:
         return Path(training_config)
+    mp = Path(adapter_dir) / "manifest.json"
+    if mp.is_symlink() or not mp.is_file():
+        return None
     try:
         rc = read_manifest(adapter_dir).get("resolved_config")
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, OSError):
         return None
     return Path(rc) if rc and Path(rc).is_file() else None
 
 
-def training_template(adapter_dir: Path, training_config: Path | None):
-    """(template source text, tokenizer, description) of the template used in training, or None.
+@dataclass
+class TrainingSide:
+    template: str
+    tokenizer: ChatTokenizer | None  # None: the adapter ships a template only
+    source: str
 
-    From the resolved axolotl config (`chat_template` / `chat_template_jinja`, per-dataset
-    override first, `tokenizer_default` read from `tokenizer_config` or `base_model`) via
-    axolotl's own `get_chat_template_from_config`; else the template axolotl saved with the
-    adapter's tokenizer files.
-    """
-    import yaml
 
+def training_side_from_config(data: dict, cfg_path, adapter_dir: Path | None = None) -> TrainingSide | None:
+    """The training template and tokenizer from an axolotl config (tokenizer from `tokenizer_config` /
+    `base_model`, else the adapter's). Raises TokenizerError / ValueError."""
+    tok_src = data.get("tokenizer_config") or data.get("base_model")
+    tok = None
+    if tok_src and has_tokenizer(Path(str(tok_src))):
+        tok = ChatTokenizer.load(Path(str(tok_src)))
+    elif adapter_dir is not None and has_tokenizer(adapter_dir):
+        tok = ChatTokenizer.load(adapter_dir)
+    if tok is None:
+        return None
+    overrides = (data.get("special_tokens") or {}) if isinstance(data.get("special_tokens"), dict) else {}
+    for k, v in overrides.items():
+        if isinstance(v, str):
+            tok.special[k] = v
+            if k == "eos_token":
+                i = tok.tokenizer.token_to_id(v)
+                tok.eos_ids = {i} if i is not None else set()
+    tmpl, choice = resolve_axolotl_template(data, tok.template)
+    return TrainingSide(tmpl, tok, f"{cfg_path} (chat_template: {choice})")
+
+
+def training_side(adapter_dir: Path, training_config: Path | None) -> TrainingSide | None:
     cfg_path = training_config_path(adapter_dir, training_config)
     if cfg_path is not None:
         data = yaml.safe_load(Path(cfg_path).read_text()) or {}
-        tok_src = data.get("tokenizer_config") or data.get("base_model")
-        tok = None
-        if tok_src and _has_tokenizer(Path(str(tok_src))):
-            tok = _load_tokenizer(Path(str(tok_src)))
-        elif _has_tokenizer(adapter_dir):
-            tok = _load_tokenizer(adapter_dir)
-        if tok is not None:
-            from axolotl.utils.chat_templates import get_chat_template_from_config
-
-            ds = (data.get("datasets") or [None])[0]
-            tmpl = get_chat_template_from_config(data, ds if isinstance(ds, dict) else None, tok)
-            return (
-                tmpl,
-                tok,
-                f"{cfg_path} (chat_template: {data.get('chat_template') or 'tokenizer_default'})",
-            )
-    if _has_tokenizer(adapter_dir):
-        tok = _load_tokenizer(adapter_dir)
-        if tok.chat_template:
-            return tok.chat_template, tok, f"{adapter_dir} tokenizer files"
+        side = training_side_from_config(data, cfg_path, adapter_dir)
+        if side is not None:
+            return side
+    tmpl = read_template(adapter_dir)
+    if tmpl:
+        tok = ChatTokenizer.load(adapter_dir) if has_tokenizer(adapter_dir) else None
+        what = "tokenizer files" if tok else "chat_template.jinja (no tokenizer files)"
+        return TrainingSide(tmpl, tok, f"{adapter_dir} {what}")
     return None
 
 
-def _render(tok, template: str, messages, tools) -> list[int]:
-    text = tok.apply_chat_template(
-        messages, tools=tools, chat_template=template, tokenize=False, enable_thinking=True
-    )
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
+# -- rendering and comparing --------------------------------------------------------------------------------------
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token id (or the shorter length), None if equal."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
@@ -212,92 +209,108 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_templates(train_tmpl: str, train_tok, served_tok, where: str, rep) -> None:
-    """Render CONVERSATIONS with both templates; one `template.divergence` per differing conversation."""
-    served_tmpl = served_tok.chat_template
-    diverged = []
-    for name, (messages, tools) in CONVERSATIONS.items():
+def turn_terminator(tok: ChatTokenizer, template: str) -> str | None:
+    """The first special/added token after an assistant reply in `template`, as text (e.g. `<|im_end|>`)."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": MARKER}]
+    text = render(template, msgs, None, tok.special, enable_thinking=True)
+    if MARKER not in text:
+        return None
+    tail = text[text.rindex(MARKER) + len(MARKER) :]
+    added = tok.added()
+    for i in tok.encode(tail):
+        content = tok.tokenizer.id_to_token(i)
+        if content in added:
+            return content
+    return None
+
+
+# -- facts per context ---------------------------------------------------------------------------------------------
+def served_tokenizer_dir(ctx) -> Path | None:
+    """The tokenizer the fleet uses: the served checkpoint's, else the base's (same model)."""
+    for getter in ("served", "base"):
         try:
-            a = _render(train_tok, train_tmpl, messages, tools)
-            b = _render(served_tok, served_tmpl, messages, tools)
-        except Exception as e:  # noqa: BLE001 - jinja errors are findings
-            rep.add(
-                "template.render",
-                "error",
-                f"conversation {name!r} does not render ({type(e).__name__}: {e}): "
-                "the two templates do not support the same messages; serve with the training template",
-                where,
-            )
+            ck = getattr(ctx, getter)
+        except Unavailable:
             continue
-        i = first_divergence(a, b)
-        if i is None:
-            continue
-        diverged.append(name)
-        ctx = train_tok.decode(a[max(0, i - CONTEXT_TOKENS) : i])
-        rep.add(
-            "template.divergence",
-            "error",
-            f"conversation {name!r}: token {i} differs; after {ctx!r} training renders "
-            f"{train_tok.decode(a[i : i + CONTEXT_TOKENS])!r} but the fleet renders "
-            f"{served_tok.decode(b[i : i + CONTEXT_TOKENS])!r}: serve with the training template "
-            "(vLLM --chat-template) or retrain with the served checkpoint's template",
-            where,
-        )
-    rep.stats["template_conversations"] = {"rendered": len(CONVERSATIONS), "diverged": diverged}
+        if has_tokenizer(ck.path):
+            return ck.path
+    return None
 
 
-def run(adapter_dir: Path, base, served, rep, training_config: Path | None = None) -> None:
-    """Tokenizer + template checks; skipped (with an info check) when there is nothing to compare."""
-    if training_config_path(adapter_dir, training_config) is None and not _has_tokenizer(adapter_dir):
-        rep.add(
-            "template.unchecked",
-            "info",
-            "no training template found (no resolved axolotl config, no tokenizer files with the adapter): "
-            "tokenizer and chat template not compared; pass --training-config",
-            str(adapter_dir),
-        )
-        return
-    tok_dir = served_tokenizer_dir(served, base)
-    if tok_dir is None:
-        rep.add(
-            "template.unchecked",
-            "info",
-            "no served or base tokenizer available: tokenizer and chat template not compared",
-            "",
-        )
-        return
-    served_tok = _load_tokenizer(tok_dir)
-    if _has_tokenizer(adapter_dir):
-        check_tokenizer(adapter_dir, served_tok, tok_dir, rep)
+def compare(train: TrainingSide, served: ChatTokenizer):
+    """([(name, train ids, served ids, first differing index)], [(name, render error)])."""
+    diverged, failed = [], []
     try:
-        tt = training_template(adapter_dir, training_config)
-    except Exception as e:  # noqa: BLE001
-        rep.add(
-            "template.training",
-            "error",
-            f"cannot resolve the training chat template ({type(e).__name__}: {e}): "
-            "pass --training-config with the run's resolved.yml",
-            str(training_config or adapter_dir),
-        )
-        return
-    if tt is None:
-        rep.add(
-            "template.unchecked",
-            "info",
-            "no training template found (no resolved axolotl config, no tokenizer "
-            "files with the adapter): chat template not compared; pass --training-config",
-            str(adapter_dir),
-        )
-        return
-    if not served_tok.chat_template:
-        rep.add(
-            "template.served_missing",
-            "error",
-            f"the served tokenizer ({tok_dir}) has no chat template: vLLM "
-            "chat requests would fail; ship chat_template.jinja with the served checkpoint",
-            str(tok_dir),
-        )
-        return
-    tmpl, train_tok, source = tt
-    rep.stats["template_source"] = {"training": source, "served": str(tok_dir)}
-    compare_templates(tmpl, train_tok, served_tok, f"training {source} vs served {tok_dir}", rep)
+        items = list(_safe_renderings(train, served, failed))
+    except Exception as e:  # noqa: BLE001 - a template that does not compile is a finding
+        return [], [("all", f"{type(e).__name__}: {e}")]
+    for name, a, b in items:
+        i = first_divergence(a, b)
+        if i is not None:
+            diverged.append((name, a, b, i))
+    return diverged, failed
+
+
+def _safe_renderings(train, served, failed):
+    ttok = train.tokenizer or served
+    for name, (messages, tools) in CONVERSATIONS.items():
+        last_user = max(i for i, m in enumerate(messages) if m["role"] in ("user", "tool"))
+        for label, msgs, gen in (
+            (name, messages, False),
+            (f"{name} (generation prompt)", messages[: last_user + 1], True),
+        ):
+            try:
+                a = ttok.render_ids(
+                    train.template, msgs, tools, add_generation_prompt=gen, enable_thinking=True
+                )
+                b = served.render_ids(
+                    served.template, msgs, tools, add_generation_prompt=gen, enable_thinking=True
+                )
+            except Exception as e:  # noqa: BLE001 - jinja errors are findings
+                failed.append((label, f"{type(e).__name__}: {e}"))
+                continue
+            yield label, a, b
+
+
+class TemplateFacts:
+    """Tokenizer/template facts, shared by the adapter and the training-config contexts.
+
+    Subclasses provide `_training_side()` -> (TrainingSide | None, error | None, where) and
+    `_added_tokens()` -> (list, where).
+    """
+
+    @cached_property
+    def served_tokenizer(self):
+        """(ChatTokenizer | None, error | None, directory) of the tokenizer the fleet uses."""
+        d = served_tokenizer_dir(self)
+        if d is None:
+            return None, None, None
+        try:
+            return ChatTokenizer.load(d), None, d
+        except (TokenizerError, OSError) as e:
+            return None, str(e), d
+
+    @cached_property
+    def training(self):
+        try:
+            return self._training_side()
+        except (TokenizerError, ValueError, OSError) as e:
+            return None, f"{type(e).__name__}: {e}", str(getattr(self, "training_where", ""))
+
+    @cached_property
+    def added_tokens(self):
+        return self._added_tokens()
+
+    @cached_property
+    def template_comparison(self):
+        """(diverged, render failures, where, training side, served tokenizer); Unavailable when not comparable."""
+        train, served = self.training[0], self.served_tokenizer[0]
+        if train is None or served is None or not served.template:
+            raise Unavailable
+        diverged, failed = compare(train, served)
+        self.report.stats["template_conversations"] = {
+            "rendered": len(CONVERSATIONS),
+            "diverged": sorted({n.split(" (")[0] for n, *_ in diverged}),
+        }
+        self.report.stats["template_source"] = {"training": train.source, "served": str(served.path)}
+        return diverged, failed, f"training {train.source} vs served {served.path}", train, served

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.errors import CheckFailed, UsageError
+from pipeline.errors import CheckFailed
 from pipeline.train.config import check_training_config, load_training_config, servability_problems
 from tests.support.helpers import REPO
 
@@ -24,22 +24,23 @@ def test_shipped_configs_are_servable(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, cid",
+    "override, cid, legacy",
     [
-        ("peft_use_dora=true", "dora"),
-        ("lora_modules_to_save=[embed_tokens]", "modules_to_save"),
-        ("lora_target_modules=[q_proj, lm_head]", "embedding_targets"),
-        ("peft_use_rslora=true", "rslora"),
-        ("lora_r=24", "rank"),
-        ("lora_r=32", "rank"),  # above the fleet's max_lora_rank 16
-        ("adapter=qlora", "qlora"),
-        ("base_model=Org/Model", "unpinned_base"),
+        ("peft_use_dora=true", "config.dora", "dora"),
+        ("lora_modules_to_save=[embed_tokens]", "config.modules_to_save", "modules_to_save"),
+        ("lora_target_modules=[q_proj, lm_head]", "config.embedding_targets", "embedding_targets"),
+        ("peft_use_rslora=true", "config.rslora", "rslora"),
+        ("lora_r=24", "config.rank", "rank"),
+        ("lora_r=32", "config.rank", "rank"),  # above the fleet's max_lora_rank 16
+        ("adapter=qlora", "train.qlora", "qlora"),
+        ("base_model=Org/Model", "train.unpinned_base", "unpinned_base"),
     ],
 )
-def test_unservable_settings_refused(tmp_path, override, cid):
+def test_unservable_settings_refused(tmp_path, override, cid, legacy):
     tc = load_training_config(TINY, [f"base_model={tmp_path}", override])
     assert cid in ids(tc)
     assert cid not in ids(tc, allow={cid})
+    assert cid not in ids(tc, allow={legacy})  # the short ids of earlier releases still work
 
 
 def test_check_names_missing_dataset(tmp_path):
@@ -50,43 +51,88 @@ def test_check_names_missing_dataset(tmp_path):
         check_training_config(tc, 16)
 
 
-def test_bad_yaml_and_override(tmp_path):
-    p = tmp_path / "c.yml"
-    p.write_text("adapter: lora\nlora_r: [\n")
-    with pytest.raises(UsageError, match=rf"{p}:\d+: not valid YAML"):
-        load_training_config(p)
-    with pytest.raises(UsageError, match="key=value"):
-        load_training_config(TINY, ["max_steps"])
-    with pytest.raises(UsageError, match="unknown check id"):
-        check_training_config(load_training_config(TINY), 16, {"everything"})
+# -- the rules `validate` runs, before axolotl starts (issue 15 kind 8): one failing config per instance ------------
+TRAIN_CASES = [
+    ("config.rank", ["lora_rank_pattern={q_proj: 32}"], "lora_rank_pattern[q_proj] = 32 exceeds"),
+    ("config.rank", ["lora_rank_pattern={q_proj: 12}"], "not one of vLLM's ranks"),
+    ("config.init", ["peft_init_lora_weights=pissa"], "peft_init_lora_weights = 'pissa'"),
+    ("config.init", ["peft_init_lora_weights=olora"], "olora"),
+    ("tokenizer.added_tokens", ["special_tokens={eos_token: '<|newtok|>'}"], "<|newtok|>"),
+    ("tokenizer.added_tokens", ["tokens=['<my_tool>']"], "<my_tool>"),
+    ("train.sample_packing", ["sample_packing=true"], "Gated-DeltaNet"),
+    ("template.divergence", ["chat_template=chatml"], "chatml"),
+    ("template.divergence", ["chat_template=qwen3_5"], "qwen3_5"),
+    ("template.training", ["chat_template=no_such_template"], "no_such_template"),
+    (
+        "template.eos_terminator",
+        ["special_tokens={eos_token: '<|endoftext|>'}"],
+        "eos_token is '<|endoftext|>'",
+    ),
+    ("config.target_absent", ["lora_target_modules=[q_proj, in_proj_qkvz]"], "'in_proj_qkvz'"),
+    ("config.target_absent", ["lora_target_modules=[q_proj, c_attn]"], "'c_attn'"),
+    ("config.peft_type", ["adapter=ia3"], "adapter is 'ia3'"),
+    ("config.required", ["lora_target_modules=[]"], "lora_target_linear"),
+    ("config.required", ["lora_alpha=null"], "lora_alpha is missing"),
+    ("config.regex", ["lora_rank_pattern={'q_proj(': 8}"], "not a valid regex"),
+    ("config.layer_replication", ["peft_layer_replication=[[0, 2]]"], "peft_layer_replication"),
+    (
+        "config.target_parameters",
+        ["lora_target_parameters=[mlp.experts.down_proj]"],
+        "lora_target_parameters",
+    ),
+    ("config.patterns_ignored", ["lora_alpha_pattern={down_proj: 64}"], "pipeline publish"),
+    ("fleet.rank_oversized", ["lora_r=1"], "--max-lora-rank 16"),
+    ("train.base_model", ["base_model="], "base_model is missing"),
+    ("serving.version_unknown", [], "0.27.1"),
+    ("config.embedding_targets", ["lora_target_modules=[q_proj, embed_tokens]"], "embed_tokens"),
+    ("train.qlora", ["adapter=qlora"], "4-bit base"),
+    ("config.dora", ["peft_use_dora=true"], "peft_use_dora"),
+    ("config.rslora", ["peft_use_rslora=true"], "peft_use_rslora"),
+    ("config.modules_to_save", ["lora_modules_to_save=[lm_head]"], "lora_modules_to_save"),
+]
 
 
 @pytest.mark.parametrize(
-    "override, message",
-    [
-        ("datasets=/tmp/x.jsonl", "must be a list of mappings with a path"),
-        ("datasets=[/tmp/x.jsonl]", "must be a list of mappings with a path"),
-        ("datasets={path: /tmp/x}", "must be a list of mappings with a path"),
-    ],
+    "cid, overrides, words", TRAIN_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(TRAIN_CASES)]
 )
-def test_malformed_dataset_overrides_are_usage_errors(tmp_path, override, message):
-    """Regression: these reached the trainer set-up as AttributeError/KeyError tracebacks."""
-    tc = load_training_config(TINY, [f"base_model={tmp_path}", override])
-    with pytest.raises(UsageError, match=message):
-        check_training_config(tc, 16)
+def test_train_runs_the_validation_rules_before_axolotl(tiny_base, cid, overrides, words):
+    from pipeline.train.config import training_findings
+    from pipeline.train.preflight import packing_problems
+    from pipeline.validate import FleetRules
+
+    version = "0.27.1" if cid == "serving.version_unknown" else "0.19.2"
+    tc = load_training_config(TINY, [f"base_model={tiny_base}", *overrides])
+    packing = packing_problems(tc, [])  # no GPU here: the preflight's facts, as `pipeline train` passes them
+    findings = training_findings(tc, FleetRules(vllm_version=version), packing=packing)
+    found = [f for f in findings if f.id == cid]
+    assert found, [(f.id, f.message) for f in findings]
+    assert words in f"{found[0].message} {found[0].where}" and found[0].where
+    if found[0].severity == "error":
+        with pytest.raises(CheckFailed, match=f"--allow {cid}"):
+            check_training_config(tc, FleetRules(vllm_version=version), packing=packing)
 
 
-def test_unparseable_override_value():
-    with pytest.raises(UsageError, match="not valid YAML"):
-        load_training_config(TINY, ["lora_r=["])
+def test_shipped_tiny_config_passes_every_rule(tiny_base):
+    from pipeline.train.config import training_findings
+    from pipeline.validate import FleetRules
+
+    tc = load_training_config(TINY, [f"base_model={tiny_base}"])
+    assert training_findings(tc, FleetRules()) == []
 
 
-def test_axolotl_schema_refusal_before_anything_is_written(tmp_path):
-    """axolotl's own validation runs in-process before a run directory or MLflow run exists."""
-    from pipeline.train.launch import check_axolotl_schema
+def test_packing_refusal_is_the_preflight_rule_under_one_id(tmp_path, tiny_base):
+    """The gpu preflight's packing facts are reported as train.sample_packing, overridable by --allow."""
+    from pipeline.train.config import training_findings
+    from pipeline.train.preflight import packing_problems
+    from pipeline.validate import FleetRules
 
-    check_axolotl_schema(
-        load_training_config(TINY, [f"base_model={tmp_path}"])
-    )  # the shipped config is valid
-    with pytest.raises(CheckFailed, match="micro_batch_size: Input should be a valid integer"):
-        check_axolotl_schema(load_training_config(TINY, [f"base_model={tmp_path}", "micro_batch_size=abc"]))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    tc = load_training_config(TINY, [f"base_model={tmp_path}", "sample_packing=true"])
+    assert packing_problems(tc, []) == []  # not a Gated-DeltaNet model
+    gdn = load_training_config(TINY, [f"base_model={tiny_base}", "sample_packing=true"])
+    facts = packing_problems(gdn, [])
+    ids_ = {f.id for f in training_findings(gdn, FleetRules(), packing=facts)}
+    assert "train.sample_packing" in ids_
+    assert "train.sample_packing" not in {
+        f.id for f in training_findings(gdn, FleetRules(), {"train.sample_packing"}, packing=facts)
+    }

@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pipeline.serving.vllm import fleet_applies
 from pipeline.validate import FleetRules, validate_adapter
 from tests.support.helpers import peft_adapter
-
-W = "adapter_model.safetensors"
-C = "adapter_config.json"
-P = "base_model.model.model.layers."
+from tests.validate.cases import CASES, NEW, C, W, _rename, edit_config, edit_tensors
 
 
 @pytest.fixture(scope="session")
@@ -40,27 +38,6 @@ def adapter(tmp_path, good_adapter) -> Path:
     return Path(shutil.copytree(good_adapter, tmp_path / "adapter"))
 
 
-def edit_config(d: Path, **changes) -> None:
-    cfg = json.loads((d / C).read_text())
-    for k, v in changes.items():
-        if v is _DROP:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (d / C).write_text(json.dumps(cfg))
-
-
-def edit_tensors(d: Path, fn) -> None:
-    from safetensors.torch import load_file, save_file
-
-    t = load_file(str(d / W))
-    t = fn(t) or t
-    save_file(t, str(d / W))
-
-
-_DROP = object()
-
-
 def ids(rep, severity=None) -> set[str]:
     return {c.id for c in rep.checks if severity is None or c.severity == severity}
 
@@ -71,271 +48,43 @@ def only(rep, check_id):
     return found[0]
 
 
-# -- mutations: (check id, severity, edit(adapter dir), rules kwargs, words the message or where must contain) --------
-def _rename(old: str, new: str):
-    return lambda t: {k.replace(old, new): v for k, v in t.items()}
-
-
-def _add_pair(module: str, a_shape, b_shape):
-    import torch
-
-    def fn(t):
-        t[f"base_model.model.{module}.lora_A.weight"] = torch.randn(a_shape)
-        t[f"base_model.model.{module}.lora_B.weight"] = torch.randn(b_shape)
-
-    return fn
-
-
-def _set(name: str, fn_value):
-    def fn(t):
-        t[name] = fn_value(t[name])
-
-    return fn
-
-
-def _drop(pred):
-    return lambda t: {k: v for k, v in t.items() if not pred(k)}
-
-
-def _zero_b(t):
-    return {k: (v * 0 if "lora_B" in k else v) for k, v in t.items()}
-
-
-CASES = [
-    ("config.peft_type", "error", ("config", {"peft_type": "LOHA"}), {}, ["LORA", C]),
-    ("config.required", "error", ("config", {"lora_alpha": _DROP}), {}, ["lora_alpha", "re-save"]),
-    (
-        "config.rank",
-        "error",
-        ("config", {"rank_pattern": {"q_proj": 12}}),
-        {},
-        ["rank_pattern[q_proj] = 12", "retrain"],
-    ),
-    (
-        "config.rank",
-        "error",
-        ("config", {"rank_pattern": {"q_proj": 32}}),
-        {},
-        ["--max-lora-rank 16", "max_lora_rank"],
-    ),
-    ("config.unsupported", "error", ("config", {"use_dora": True}), {}, ["DoRA", "retrain without"]),
-    ("config.unsupported", "error", ("config", {"bias": "all"}), {}, ["bias", "'none'"]),
-    (
-        "config.unsupported",
-        "error",
-        ("config", {"modules_to_save": ["lm_head"]}),
-        {},
-        ["modules_to_save", "retrain"],
-    ),
-    ("config.unsupported", "error", ("config", {"layer_replication": [[0, 2]]}), {}, ["layer_replication"]),
-    ("config.unsupported", "error", ("config", {"init_lora_weights": "pissa"}), {}, ["pissa", "convert"]),
-    ("config.rslora", "error", ("config", {"use_rslora": True}), {}, ["--fold-rslora", "use_rslora"]),
-    (
-        "weights.dtype",
-        "error",
-        ("tensors", _set(P + "0.mlp.up_proj.lora_A.weight", lambda v: v.double())),
-        {},
-        ["F64", "0.mlp.up_proj", "bf16"],
-    ),
-    (
-        "keys.unknown",
-        "error",
-        (
-            "tensors",
-            lambda t: t.update(
-                {"base_model.model.model.norm.weight": t[P + "0.mlp.up_proj.lora_A.weight"].clone()}
-            ),
-        ),
-        {},
-        ["model.norm.weight", "lora_A.weight"],
-    ),
-    (
-        "keys.pair",
-        "error",
-        ("tensors", _drop(lambda k: k == P + "1.mlp.down_proj.lora_B.weight")),
-        {},
-        ["lora_B missing", "layers.1.mlp.down_proj"],
-    ),
-    (
-        "keys.embedding",
-        "error",
-        ("tensors", _add_pair("lm_head", (8, 128), (1024, 8))),
-        {},
-        ["lm_head", "allow_embedding_targets"],
-    ),
-    (
-        "keys.mtp",
-        "error",
-        ("tensors", _add_pair("mtp.layers.0.mlp.up_proj", (8, 128), (256, 8))),
-        {},
-        ["mtp.layers.0.mlp.up_proj", "drop mtp"],
-    ),
-    (
-        "keys.visual",
-        "error",
-        ("tensors", _add_pair("model.visual.blocks.0.attn.qkv", (8, 128), (384, 8))),
-        {},
-        ["visual.blocks.0.attn.qkv", "lora_target_modules"],
-    ),
-    (
-        "keys.module",
-        "error",
-        ("tensors", _rename(P + "3.self_attn.q_proj", P + "0.self_attn.q_proj")),
-        {},
-        ["self_attn.q_proj does not exist on layer 0 (linear_attention)", "layers.0.self_attn.q_proj"],
-    ),
-    (
-        "keys.conv1d",
-        "error",
-        ("tensors", _add_pair("model.layers.0.linear_attn.conv1d", (8, 4), (512, 8))),
-        {},
-        ["conv1d", "applies nothing"],
-    ),
-    (
-        "keys.layer",
-        "error",
-        ("tensors", _rename(P + "2.mlp.", P + "9.mlp.")),
-        {},
-        ["layer 9 >= the base's 4 layers"],
-    ),
-    (
-        "keys.shape",
-        "error",
-        ("tensors", _set(P + "0.mlp.up_proj.lora_A.weight", lambda v: v[:, :64].contiguous())),
-        {},
-        ["lora_A [8, 64]", "in_features 128", "layers.0.mlp.up_proj"],
-    ),
-    (
-        "keys.rank",
-        "error",
-        ("config", {"r": 16}),
-        {},
-        ["tensor rank 8 != configured r 16", "adapter_config.json"],
-    ),
-    (
-        "keys.partial",
-        "warning",
-        ("tensors", _drop(lambda k: ".1.mlp.up_proj." in k)),
-        {},
-        ["mlp.up_proj adapted on 3 of 4 layers", "missing on layers 1"],
-    ),
-    (
-        "keys.declared_absent",
-        "warning",
-        (
-            "config",
-            {
-                "target_modules": [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                    "in_proj_qkv",
-                    "in_proj_z",
-                    "out_proj",
-                    "in_proj_b",
-                ]
-            },
-        ),
-        {},
-        ["linear_attn.in_proj_b (layers 0-2)"],
-    ),
-    (
-        "keys.undeclared",
-        "warning",
-        (
-            "config",
-            {
-                "target_modules": [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "in_proj_qkv",
-                    "in_proj_z",
-                    "out_proj",
-                ]
-            },
-        ),
-        {},
-        ["mlp.down_proj", "target_modules"],
-    ),
-    (
-        "keys.fleet_targets",
-        "error",
-        None,
-        {"lora_target_modules": ["q_proj", "o_proj", "gate_proj", "in_proj_qkv"]},
-        ["down_proj (layers 0-3) is outside the fleet's --lora-target-modules", "fleet.lora_target_modules"],
-    ),
-    (
-        "values.nonfinite",
-        "error",
-        (
-            "tensors",
-            _set(
-                P + "2.mlp.down_proj.lora_B.weight",
-                lambda v: v.index_fill(0, __import__("torch").tensor([0]), float("nan")),
-            ),
-        ),
-        {},
-        ["NaN/Inf", "layers.2.mlp.down_proj.lora_B", "retrain"],
-    ),
-    ("values.untrained", "error", ("tensors", _zero_b), {}, ["every lora_B is zero"]),
-    (
-        "values.zero_b",
-        "warning",
-        ("tensors", _set(P + "0.mlp.up_proj.lora_B.weight", lambda v: v * 0)),
-        {},
-        ["1 of 25 lora_B"],
-    ),
-    (
-        "values.norm_outlier",
-        "warning",
-        ("tensors", _set(P + "1.mlp.up_proj.lora_B.weight", lambda v: v * 1000)),
-        {},
-        ["layers.1.mlp.up_proj", "median", "learning rate"],
-    ),
-    (
-        "values.size_band",
-        "error",
-        ("tensors", _drop(lambda k: "q_proj" not in k)),
-        {},
-        ["implied by r, target_modules", "re-save"],
-    ),
-    (
-        "fleet.resolver_base",
-        "error",
-        None,
-        {"loading_mode": "resolver", "served_model": "Qwen/Qwen3.6-27B-NVFP4"},
-        ["Qwen/Qwen3.6-27B-NVFP4", "404", "pipeline publish"],
-    ),
-]
+@pytest.fixture(scope="session")
+def env(tmp_path_factory, tiny_base, tiny_vl_base, served):
+    return SimpleNamespace(
+        tiny_base=tiny_base, tiny_vl_base=tiny_vl_base, served=served, tmp=tmp_path_factory.mktemp("env")
+    )
 
 
 @pytest.mark.parametrize(
-    "check_id,severity,edit,rules,words", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+    "check_id,severity,edit,rules,words,kwargs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
 )
-def test_each_check_fails_its_fixture(adapter, tiny_vl_base, check_id, severity, edit, rules, words):
+def test_each_check_fails_its_fixture(adapter, env, check_id, severity, edit, rules, words, kwargs):
+    """Every instance of every kind: the finding with its id, severity, location and fix; never a traceback."""
     if edit is not None:
         kind, change = edit
-        edit_config(adapter, **change) if kind == "config" else edit_tensors(adapter, change)
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(**rules))
+        if kind == "config":
+            edit_config(adapter, **change)
+        elif kind == "tensors":
+            edit_tensors(adapter, change)
+        else:
+            change(adapter, env)
+    rules = rules(env) if callable(rules) else rules
+    kwargs = kwargs(env) if callable(kwargs) else dict(kwargs)
+    base = kwargs.pop("base_dir", env.tiny_vl_base)
+    rep = validate_adapter(adapter, base, FleetRules(**rules), **kwargs)
     c = only(rep, check_id)
     assert c.severity == severity
     text = f"{c.message} {c.where}"
     for w in words:
         assert w in text, f"{w!r} not in {text!r}"
-    assert c.where, "every finding says where"
+    if severity != "info" and check_id != "served.unchecked":
+        assert c.where, "every finding says where"
     assert rep.verdict == ("fail" if severity == "error" else rep.verdict)
+    json.dumps(rep.to_dict())  # the report always serialises
 
 
 def test_good_adapter_passes_both_layouts(adapter, tiny_vl_base, tiny_base, served):
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served))
+    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served, vllm_version=NEW))
     assert rep.passed, [(c.id, c.message) for c in rep.checks]
     assert ids(rep, "warning") == set()
     assert rep.stats["expected_weights_bytes"] == rep.stats["weights_bytes"]
@@ -344,7 +93,7 @@ def test_good_adapter_passes_both_layouts(adapter, tiny_vl_base, tiny_base, serv
     edit_tensors(
         adapter, _rename("base_model.model.model.layers.", "base_model.model.model.language_model.layers.")
     )
-    rep = validate_adapter(adapter, tiny_base, FleetRules(served_path=served))
+    rep = validate_adapter(adapter, tiny_base, FleetRules(served_path=served, vllm_version=NEW))
     assert rep.passed, [(c.id, c.message) for c in rep.checks]
     assert rep.weights_sha256 and len(rep.weights_sha256) == 64
 
@@ -382,7 +131,7 @@ def test_file_faults_are_findings_not_tracebacks(adapter, tiny_vl_base, setup, c
     elif setup == "garbage":
         w.write_bytes((20).to_bytes(8, "little") + b"\xff" * 20 + raw[28:])
     elif setup == "header_too_long":
-        w.write_bytes((10**9).to_bytes(8, "little") + raw[8:])
+        w.write_bytes((10**7).to_bytes(8, "little") + raw[8:])
     elif setup == "data_cut":
         w.write_bytes(raw[: len(raw) // 2])
     elif setup == "empty":
@@ -459,7 +208,7 @@ def _edit_served(served: Path, dst: Path, fn=None, config=None, quant=None) -> P
 
 def test_served_checks(adapter, tiny_vl_base, served, tmp_path):
     def check(served_dir, check_id, words, severity="error"):
-        rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served_dir))
+        rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served_dir, vllm_version=NEW))
         c = only(rep, check_id)
         assert c.severity == severity
         for w in words:
@@ -527,3 +276,55 @@ def test_nvfp4_quantisation_round_trips():
     # worst case is half the widest e2m1 gap (4 -> 6) times the block scale amax/6
     block_amax = w.reshape(4, 2, 16).abs().amax(-1, keepdim=True)
     assert bool(((deq - w.reshape(4, 2, 16)).abs() <= block_amax / 6 * 1.1 + 1e-6).all())
+
+
+def test_missing_adapter_directory(tmp_path, tiny_vl_base):
+    rep = validate_adapter(tmp_path / "nope", tiny_vl_base)
+    assert [c.id for c in rep.checks] == ["adapter.missing"] and not rep.passed
+
+
+def test_unquantized_served_checkpoint_is_info(adapter, tiny_vl_base):
+    """The real-layout VL checkpoint as served (bf16): info only, and its layout is what keys are checked against."""
+    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=tiny_vl_base, vllm_version=NEW))
+    assert only(rep, "served.not_quantized").severity == "info" and rep.passed
+    assert rep.stats["served"]["architecture"] == "Qwen3_5ForConditionalGeneration"
+
+
+def test_static_validation_imports_neither_torch_nor_transformers(
+    good_adapter, tiny_vl_base, served, tiny_base
+):
+    """Issue 17's validate goal: the demo-sized adapter validates without importing torch or transformers."""
+    import subprocess
+    import sys
+
+    d = Path(shutil.copytree(good_adapter, Path(good_adapter).parent / "with-tok", dirs_exist_ok=True))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy2(tiny_base / f, d / f)
+    code = (
+        "import sys; from pathlib import Path; from pipeline.validate import FleetRules, validate_adapter;"
+        f"r = validate_adapter(Path({str(d)!r}), Path({str(tiny_vl_base)!r}),"
+        f" FleetRules(served_path=Path({str(served)!r}), vllm_version='0.32.0'));"
+        "assert r.stats['template_conversations']['rendered'] == 5, r.to_dict();"
+        "print(r.verdict, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["pass", "False", "False"]
+
+
+def test_a_failing_rule_is_a_finding_not_a_traceback(adapter, tiny_vl_base, monkeypatch):
+    """The orchestrator turns a rule that raises into an error finding with that rule's id; the others still run."""
+    from pipeline.validate import REGISTRY
+
+    spec = REGISTRY["keys.conv1d"]
+
+    def broken(ctx):
+        raise TypeError("boom")
+        yield
+
+    monkeypatch.setitem(REGISTRY, "keys.conv1d", type(spec)(**{**spec.__dict__, "fn": broken}))
+    rep = validate_adapter(adapter, tiny_vl_base)
+    c = only(rep, "keys.conv1d")
+    assert c.severity == "error" and "TypeError: boom" in c.message and "please report it" in c.message
+    assert "served.unchecked" in ids(rep)

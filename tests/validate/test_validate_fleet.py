@@ -14,7 +14,8 @@ import pytest
 
 from pipeline.validate import FleetRules, validate_adapter
 from tests.support.helpers import REPO
-from tests.validate.test_validate import edit_config, edit_tensors, good_adapter, only, served  # noqa: F401 (fixtures)
+from tests.validate.cases import NEW, edit_config, edit_tensors
+from tests.validate.test_validate import good_adapter, only, served  # noqa: F401 (fixtures)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -31,7 +32,7 @@ def adapter(tmp_path, good_adapter, tiny_base) -> Path:  # noqa: F811
 
 # -- tokenizer and chat template --------------------------------------------------------------------------------------
 def test_tokenizer_and_template_match_pass(adapter, tiny_vl_base, served):  # noqa: F811
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served))
+    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served, vllm_version=NEW))
     assert rep.passed, [(c.id, c.message) for c in rep.checks]
     assert rep.stats["template_conversations"] == {"rendered": 5, "diverged": []}
 
@@ -42,7 +43,7 @@ def test_added_token_is_refused(adapter, tiny_vl_base, served):  # noqa: F811
     tok = AutoTokenizer.from_pretrained(str(adapter))
     tok.add_tokens(["<my_tool>"])
     tok.save_pretrained(str(adapter))
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served))
+    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served, vllm_version=NEW))
     c = only(rep, "tokenizer.added_tokens")
     assert "<my_tool>" in c.message and "retrain without adding tokens" in c.message
     assert c.where.endswith("tokenizer.json") and not rep.passed
@@ -54,7 +55,10 @@ def test_other_vocabulary_is_refused(adapter, tiny_vl_base, served, tmp_path):  
     (tmp_path / "other-corpus").mkdir()
     (tmp_path / "other-corpus" / "a.jsonl").write_text("zebra quokka xylophone " * 50 + "\n")
     build_tokenizer(adapter, tmp_path / "other-corpus")
-    c = only(validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served)), "tokenizer.vocab")
+    c = only(
+        validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served, vllm_version=NEW)),
+        "tokenizer.vocab",
+    )
     assert "vocabulary differs from the served base" in c.message and str(served) in c.message
 
 
@@ -64,7 +68,7 @@ def test_template_divergence_names_conversation_and_context(adapter, tiny_vl_bas
     drifted = chat_template_text().replace("'\\n<tool_response>\\n'", "'<tool_response>'")
     assert drifted != chat_template_text()
     served_dir = build_tiny_served(tiny_vl_base, tmp_path / "served-drift", chat_template=drifted)
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served_dir))
+    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served_dir, vllm_version=NEW))
     c = only(rep, "template.divergence")
     assert rep.stats["template_conversations"]["diverged"] == ["tool_call"]
     assert "conversation 'tool_call'" in c.message and "<tool_response>" in c.message
@@ -88,11 +92,15 @@ def test_training_template_comes_from_the_resolved_axolotl_config(
             }
         )
     )
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served), training_config=resolved)
+    rep = validate_adapter(
+        adapter, tiny_vl_base, FleetRules(served_path=served, vllm_version=NEW), training_config=resolved
+    )
     assert rep.passed and "tokenizer_default" in rep.stats["template_source"]["training"]
     # axolotl's named `chatml` template (no tools, no reasoning) is not what the fleet serves
     resolved.write_text(json.dumps({"base_model": str(tiny_base), "chat_template": "chatml"}))
-    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=served), training_config=resolved)
+    rep = validate_adapter(
+        adapter, tiny_vl_base, FleetRules(served_path=served, vllm_version=NEW), training_config=resolved
+    )
     c = only(rep, "template.divergence")
     assert "chatml" in c.where and not rep.passed
 
@@ -207,8 +215,10 @@ def test_behaviour_passes_for_an_adapter_that_fits_the_data(tiny_base, tmp_path,
 
 
 # -- CLI and the publish gate -----------------------------------------------------------------------------------------
-def test_cli_exit_codes(project, adapter, tiny_vl_base, served):  # noqa: F811
+def test_cli_exit_codes(project, adapter, tiny_vl_base, served, monkeypatch):  # noqa: F811
     from typer.testing import CliRunner
+
+    monkeypatch.setenv("PIPELINE_FLEET__VLLM_VERSION", NEW)  # the tiny served checkpoint is a 0.32+ class
 
     from pipeline.cli import app
 
@@ -244,3 +254,54 @@ def test_publish_refuses_a_registered_adapter_that_failed_validation(project, ad
     with pytest.raises(CheckFailed, match="validation verdict is 'fail'"):
         publish(project, "broken", version=reg.version)
     assert not (project.volume.path / f"broken-v{reg.version}").exists()
+
+
+def test_behaviour_unavailable_and_skipped(good_adapter, tiny_vl_base, tiny_base, tmp_path):  # noqa: F811
+    """`--behaviour` never raises: an unloadable base, failed static checks and no validation data are findings."""
+    base = Path(shutil.copytree(tiny_base, tmp_path / "odd-base"))
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(
+        json.dumps(cfg | {"model_type": "no_such_model", "architectures": ["Nope"]})
+    )
+    rep = validate_adapter(good_adapter, base, behaviour=True)  # headers fine, transformers cannot load it
+    assert only(rep, "behaviour.unavailable").severity == "error"
+    d = Path(shutil.copytree(good_adapter, tmp_path / "bad"))
+    edit_config(d, r=16)
+    rep = validate_adapter(d, tiny_base, behaviour=True)
+    assert only(rep, "behaviour.skipped").severity == "info"
+
+
+@pytest.mark.slow
+def test_behaviour_without_validation_data(good_adapter, tiny_base):  # noqa: F811
+    rep = validate_adapter(good_adapter, tiny_base, behaviour=True, validation_files=[])
+    assert only(rep, "behaviour.no_data").severity == "warning"
+
+
+def test_cli_never_prints_a_traceback_on_hostile_adapters(project, good_adapter, tiny_vl_base, tmp_path):  # noqa: F811
+    """Issue 16.3 through the CLI: symlink, weights directory, NaN alpha, NaN r, overlapping tensors -> exit 1."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from tests.validate.cases import _overlap, _rewrite_header
+
+    setups = {
+        "symlink": lambda d: os.symlink("/etc/shadow", d / "notes.txt"),
+        "weights_dir": lambda d: (
+            (d / "adapter_model.safetensors").unlink(),
+            (d / "adapter_model.safetensors").mkdir(),
+        ),
+        "nan_alpha": lambda d: edit_config(d, lora_alpha=float("nan")),
+        "inf_alpha": lambda d: edit_config(d, lora_alpha=float("inf")),
+        "nan_r": lambda d: edit_config(d, r=float("nan")),
+        "overlap": lambda d: _rewrite_header(d, _overlap),
+    }
+    for name, setup in setups.items():
+        d = Path(shutil.copytree(good_adapter, tmp_path / name))
+        setup(d)
+        r = CliRunner().invoke(app, ["validate", str(d), "--base", str(tiny_vl_base)])
+        assert r.exit_code == 1, (name, r.output)
+        assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit), (
+            name
+        )

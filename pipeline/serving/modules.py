@@ -1,0 +1,85 @@
+"""Where an adapter key lands inside vLLM's model: the served class's weight mapper, per vLLM version.
+
+vLLM renames each adapter module (the key without `base_model.model.` and `.lora_A.weight`) with the
+served class's `hf_to_vllm_mapper` (vllm/lora/utils.py `parse_fine_tuned_lora_name` ->
+`WeightsMapper._map_name`: every matching `orig_to_new_prefix` entry in order, None drops the key),
+then looks the name up among the model's LoRA-wrapped modules. A name that matches no module loads
+with HTTP 200 and is never applied (only a debug log). Mappers (vllm/model_executor/models/qwen3_5.py,
+qwen3_vl.py; the same in every range of `pipeline.serving.versions`, docs/vllm.md):
+- `Qwen3_5ForConditionalGeneration` (the real Qwen3.6 checkpoint): `model.visual.` -> `visual.`,
+  `lm_head.` -> `language_model.lm_head.`, `model.language_model.` -> `language_model.model.`,
+  `mtp.` dropped; no rule for `model.layers.` (upstream vllm#48019, PR #48022);
+- `Qwen3_5ForCausalLM` (registered from 0.32): `model.language_model.` -> `model.`, `mtp.` dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.serving.versions import CAUSAL_CLASS, VL_CLASS, VllmRange
+
+MAPPERS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    VL_CLASS: (
+        ("model.visual.", "visual."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.language_model.", "language_model.model."),
+        ("mtp.", None),
+    ),
+    CAUSAL_CLASS: (("model.language_model.", "model."), ("mtp.", None)),
+}
+# Decoder layers inside vLLM's model, and the adapter prefix that reaches them (the served layout).
+DECODER_PREFIX = {VL_CLASS: "language_model.model.layers.", CAUSAL_CLASS: "model.layers."}
+SERVED_KEY_PREFIX = {VL_CLASS: "model.language_model.layers.", CAUSAL_CLASS: "model.layers."}
+EMBEDDING_NAMES = {
+    VL_CLASS: {"language_model.model.embed_tokens", "language_model.lm_head"},
+    CAUSAL_CLASS: {"model.embed_tokens", "lm_head"},
+}
+
+
+@dataclass(frozen=True)
+class RuntimeTarget:
+    """What the served vLLM does with one adapter module.
+
+    status: "applied" (a decoder-layer or embedding module), "ignored" (loads, never applied),
+    "dropped" (the mapper removes the key: never applied). `runtime` is vLLM's module name.
+    """
+
+    status: str
+    runtime: str | None
+    reason: str = ""
+
+
+def map_module(peft_module: str, architecture: str) -> str | None:
+    """vLLM's name for an adapter module under `architecture`'s mapper (None: dropped by the mapper)."""
+    name = peft_module + "."
+    for prefix, new in MAPPERS.get(architecture, ()):
+        if name.startswith(prefix):
+            if new is None:
+                return None
+            name = new + name[len(prefix) :]
+    return name[:-1]
+
+
+def runtime_target(peft_module: str, architecture: str, rng: VllmRange) -> RuntimeTarget:
+    """Where `peft_module` (e.g. `model.layers.3.mlp.up_proj`) lands when `architecture` is served on `rng`."""
+    mapped = map_module(peft_module, architecture)
+    if mapped is None:
+        return RuntimeTarget("dropped", None, f"{architecture}'s weight mapper drops it")
+    if mapped.startswith(DECODER_PREFIX[architecture]):
+        return RuntimeTarget("applied", mapped)
+    if mapped in EMBEDDING_NAMES[architecture]:
+        if rng.embedding_lora:
+            return RuntimeTarget("applied", mapped)
+        return RuntimeTarget("ignored", mapped, f"vLLM {rng.name} has no embedding LoRA for Qwen3.5")
+    if mapped.startswith("visual."):
+        return RuntimeTarget("ignored", mapped, "vision-tower LoRA is accepted and never applied")
+    return RuntimeTarget(
+        "ignored",
+        mapped,
+        f"no module {mapped!r} in {architecture} (its decoder layers are {DECODER_PREFIX[architecture]}N)",
+    )
+
+
+def served_key_prefix(architecture: str) -> str | None:
+    """The adapter key prefix of decoder layers that `architecture` applies (None: not a Qwen3.5 class)."""
+    return SERVED_KEY_PREFIX.get(architecture)

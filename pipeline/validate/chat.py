@@ -1,0 +1,165 @@
+"""Tokenizers and chat templates without transformers: `tokenizers` for ids, jinja2 for templates.
+
+Renders exactly as transformers' `apply_chat_template` does (transformers/utils/chat_template_utils.py
+`_compile_jinja_template` / `render_jinja_template`): an `ImmutableSandboxedEnvironment` with
+`trim_blocks`, `lstrip_blocks` and the `loopcontrols` extension, a `tojson` filter that does not
+escape HTML, globals `raise_exception` and `strftime_now`, a no-op `{% generation %}` block, and the
+tokenizer's special tokens (`bos_token`, `eos_token`, ...) plus caller kwargs as template variables.
+`tests/validate/test_chat.py` checks the rendering against transformers on the tiny base.
+Importing transformers costs seconds; this keeps `pipeline validate` without `--behaviour` fast.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TokenizerError(ValueError):
+    """Tokenizer or template files that cannot be read (corrupt JSON, bad template syntax...)."""
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # transformers' AssistantTracker, without index tracking
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_support"), [], [], body).set_lineno(lineno)
+
+        def _support(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: dt.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render(template: str, messages, tools=None, special: dict | None = None, **kwargs) -> str:
+    """Render `messages` with a chat template as transformers does. Raises jinja2 errors."""
+    return _compile(template).render(
+        messages=messages, tools=tools, documents=None, **{**(special or {}), **kwargs}
+    )
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(
+            f"{p}: not valid JSON ({getattr(e, 'msg', e)} at line {getattr(e, 'lineno', 1)})"
+        ) from e
+    if not isinstance(d, dict):
+        raise TokenizerError(f"{p}: must be a JSON object")
+    return d
+
+
+def read_template(d: Path) -> str | None:
+    """The chat template a directory ships: `chat_template.jinja`, else tokenizer_config.json's
+    `chat_template` (a string, or the entry named `default` of a list). Raises TokenizerError."""
+    d = Path(d)
+    f = d / TEMPLATE_FILE
+    if f.is_file() and not f.is_symlink():
+        return f.read_text()
+    tc = d / "tokenizer_config.json"
+    if tc.is_file() and not tc.is_symlink():
+        t = _read_json(tc).get("chat_template")
+        if isinstance(t, list):
+            t = next(
+                (x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None
+            )
+        return t if isinstance(t, str) else None
+    return None
+
+
+def has_tokenizer(d: Path | None) -> bool:
+    return d is not None and (Path(d) / "tokenizer.json").is_file()
+
+
+@dataclass
+class ChatTokenizer:
+    """A directory's fast tokenizer (`tokenizer.json`), special tokens and chat template."""
+
+    path: Path
+    tokenizer: object  # tokenizers.Tokenizer
+    special: dict[str, str] = field(default_factory=dict)  # bos_token/eos_token/... -> text
+    template: str | None = None
+    eos_ids: set[int] = field(default_factory=set)  # ids generation stops at (eos + generation_config)
+
+    @classmethod
+    def load(cls, d: Path) -> ChatTokenizer:
+        """Raises TokenizerError naming the file for any unreadable or corrupt tokenizer file."""
+        from tokenizers import Tokenizer
+
+        d = Path(d)
+        tj = d / "tokenizer.json"
+        try:
+            tok = Tokenizer.from_file(str(tj))
+        except Exception as e:  # noqa: BLE001 - the Rust error says what is wrong; it becomes a finding
+            raise TokenizerError(f"{tj}: cannot be loaded by `tokenizers` ({str(e)[:300]})") from e
+        special: dict[str, str] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            p = d / name
+            if p.is_file() and not p.is_symlink():
+                data = _read_json(p)
+                for k in SPECIAL_KEYS:
+                    t = _token_text(data.get(k))
+                    if t is not None:
+                        special[k] = t
+        ct = cls(d, tok, special, read_template(d))
+        if "eos_token" in special and (i := tok.token_to_id(special["eos_token"])) is not None:
+            ct.eos_ids.add(i)
+        gc = d / "generation_config.json"
+        if gc.is_file() and not gc.is_symlink():
+            e = _read_json(gc).get("eos_token_id")
+            ct.eos_ids.update(x for x in ([e] if isinstance(e, int) else e or []) if isinstance(x, int))
+        return ct
+
+    def vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    def added(self) -> dict[str, int]:
+        """Added tokens (special or not): {content: id}."""
+        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def render_ids(self, template: str, messages, tools=None, **kwargs) -> list[int]:
+        return self.encode(render(template, messages, tools, self.special, **kwargs))

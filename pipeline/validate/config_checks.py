@@ -1,0 +1,410 @@
+"""Rules on the LoRA settings: shared by `pipeline validate` (adapter_config.json) and `pipeline train`
+(the axolotl config, before axolotl starts): one home per rule, one id scheme.
+
+Sources: vllm/lora/peft_helper.py (`_validate_features`, `validate_legal`: the features vLLM refuses,
+collected and reported together), vllm/config/lora.py (`MaxLoRARanks`), docs/vllm.md (per-version
+behaviour), peft/tuners/lora/config.py (field types).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.artifacts.adapter import config_problems, pattern_value
+from pipeline.artifacts.peft_match import matching_entries
+from pipeline.errors import PipelineError
+from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, PLAIN_INITS
+from pipeline.validate.normalise import ParityError, fold_rslora
+from pipeline.validate.registry import Issue, Unavailable, check
+
+BOTH = ("adapter", "train")
+
+
+# -- --fold-rslora (runs first: it rewrites adapter_config.json before anything reads it) --------------------------
+def _fold(ctx):
+    if "fold" not in ctx.__dict__:
+        try:
+            ctx.__dict__["fold"] = (fold_rslora(ctx.adapter_dir), None)
+        except ParityError as e:
+            ctx.__dict__["fold"] = (None, str(e))
+        except (FileNotFoundError, ValueError, OSError, PipelineError):
+            ctx.__dict__["fold"] = (None, None)  # reported by the config / weights checks that follow
+    return ctx.__dict__["fold"]
+
+
+@check(
+    "config.rslora_folded",
+    "warning",
+    "`--fold-rslora` folded rsLoRA into lora_alpha (scale unchanged on every module)",
+    option="fold_rslora",
+)
+def rslora_folded(ctx):
+    res, _ = _fold(ctx)
+    if res is not None and res.folded:
+        yield Issue(
+            f"rsLoRA folded into lora_alpha in place (effective scale alpha/sqrt(r) -> alpha'/r, unchanged on all "
+            f"{res.modules} modules; weights untouched): {res.old} -> {res.new}; register this directory, not the "
+            "original",
+            ctx.where_config,
+        )
+
+
+@check(
+    "config.rslora_parity",
+    "error",
+    "`--fold-rslora` would change some module's scale (nothing written)",
+    option="fold_rslora",
+)
+def rslora_parity(ctx):
+    _, err = _fold(ctx)
+    if err:
+        yield Issue(
+            f"{err}: fold by hand with exact alpha_pattern entries or retrain without rsLoRA",
+            ctx.where_config,
+        )
+
+
+def _cfg_state(ctx):
+    if getattr(ctx, "_config", None) is None:
+        raise Unavailable
+    return ctx._config
+
+
+# -- reading the file -------------------------------------------------------------------------------------------
+@check("config.missing", "error", "no `adapter_config.json` (or it is not a regular file)")
+def missing(ctx):
+    cfg, kind, msg = _cfg_state(ctx)
+    if kind == "missing":
+        yield Issue(msg, ctx.where_config)
+
+
+@check("config.invalid", "error", "`adapter_config.json` is not JSON or not an object (file:line)")
+def invalid(ctx):
+    cfg, kind, msg = _cfg_state(ctx)
+    if kind == "invalid":
+        yield Issue(f"{msg}: fix the JSON or re-save with peft", ctx.where_config)
+
+
+def _problems(ctx, kind: str):
+    if ctx.lora_source_kind == "adapter":
+        problems = ctx.cfg.problems
+    else:
+        problems = config_problems(ctx.lora_unchecked.as_peft())
+    return [p for p in problems if p.kind == kind]
+
+
+@check(
+    "config.type",
+    "error",
+    'a field has another type than PEFT\'s `LoraConfig` declares (e.g. `"r": "eight"`)',
+)
+def wrong_type(ctx):
+    if ctx.lora_source_kind != "adapter":
+        return  # axolotl's own schema types the training config
+    for p in _problems(ctx, "type"):
+        yield Issue(
+            f"{p.message}: fix adapter_config.json or re-save the adapter with peft", ctx.where_config
+        )
+
+
+@check("config.nonfinite", "error", "`r`, `lora_alpha` or a pattern value is NaN or Infinity")
+def nonfinite(ctx):
+    if ctx.lora_source_kind != "adapter":
+        return
+    for p in _problems(ctx, "nonfinite"):
+        yield Issue(
+            f"{p.message}; vLLM would serve NaN scales (empty completions, failing logprobs): set the value "
+            "the adapter was trained with",
+            ctx.where_config,
+        )
+
+
+@check(
+    "config.regex",
+    "error",
+    "`target_modules`/`exclude_modules` string, a `rank_pattern`/`alpha_pattern` key "
+    "or `layers_pattern` is not a valid regex",
+    scopes=BOTH,
+)
+def bad_regex(ctx):
+    for p in _problems(ctx, "regex"):
+        yield Issue(f"{p.message}: peft and vLLM match it as a regex; escape it", ctx.where_config)
+
+
+# -- what vLLM refuses (peft_helper.py) -------------------------------------------------------------------------
+@check(
+    "config.peft_type",
+    "error",
+    "not a LoRA adapter (`peft_type` != LORA; axolotl `adapter` not lora)",
+    scopes=BOTH,
+)
+def peft_type(ctx):
+    lv = ctx.lora
+    if lv.get("peft_type") != "LORA":
+        if lv.kind == "train":
+            yield Issue(
+                f"adapter is {lv.get('peft_type')!r}; the fleet hot-loads LoRA: set `adapter: lora`",
+                lv.source,
+            )
+        else:
+            yield Issue(
+                f"peft_type is {lv.get('peft_type')!r}; vLLM serves only LORA adapters: save a LoRA (peft LoraConfig) "
+                "adapter",
+                lv.source,
+            )
+
+
+@check("config.required", "error", "`r`, `lora_alpha` or `target_modules` missing", scopes=BOTH)
+def required(ctx):
+    lv = ctx.lora
+    for key in ("r", "lora_alpha", "target_modules"):
+        if lv.get(key) in (None, [], ""):
+            if lv.kind == "train" and key == "target_modules":
+                yield Issue(
+                    f"no {lv.name(key)} (and no lora_target_linear): list the projections to adapt", lv.source
+                )
+            else:
+                yield Issue(
+                    f"{lv.name(key)} is missing; vLLM requires r, lora_alpha and target_modules: "
+                    + ("set it" if lv.kind == "train" else "re-save the adapter with peft"),
+                    lv.source,
+                )
+
+
+@check(
+    "config.rank",
+    "error",
+    "`r` or a `rank_pattern` value not in {1,8,16,32,64,128,256,320,512}, "
+    "or above the fleet's `max_lora_rank`",
+    scopes=BOTH,
+)
+def rank(ctx):
+    lv, rules = ctx.lora, ctx.rules
+    ranks = {lv.name("r"): lv.get("r")} | {
+        f"{lv.name('rank_pattern')}[{k}]": v for k, v in (lv.get("rank_pattern") or {}).items()
+    }
+    fix = "lora_r / lora_rank_pattern in the axolotl config"
+    for what, r in ranks.items():
+        if r is None:
+            continue
+        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+            yield Issue(
+                f"{what} = {r!r} is not a positive integer rank: retrain with one of {LORA_RANKS}", lv.source
+            )
+        elif r not in LORA_RANKS:
+            yield Issue(
+                f"{what} = {r} is not one of vLLM's ranks {LORA_RANKS}: retrain with one of them ({fix})",
+                lv.source,
+            )
+        elif r > rules.max_lora_rank:
+            yield Issue(
+                f"{what} = {r} exceeds the fleet's --max-lora-rank {rules.max_lora_rank}: retrain with a smaller r "
+                "or raise fleet.max_lora_rank (and --max-lora-rank on every instance)",
+                lv.source,
+            )
+
+
+def _refused(key: str, field_name: str, feature: str, doc: str):
+    """One rule per feature vLLM's PEFTHelper._validate_features refuses."""
+
+    @check(f"config.{key}", "error", doc, scopes=BOTH)
+    def rule(ctx):
+        lv = ctx.lora
+        value = lv.get(field_name)
+        if value:
+            fix = f"remove {lv.name(field_name)}" if lv.kind == "train" else "retrain without it"
+            yield Issue(
+                f"{lv.name(field_name)} = {value!r}: vLLM refuses {feature} (vllm/lora/peft_helper.py): {fix}",
+                lv.source,
+            )
+
+    rule.__name__ = key
+    return rule
+
+
+_refused("dora", "use_dora", "DoRA", "DoRA: `use_dora` (axolotl `peft_use_dora`)")
+_refused(
+    "modules_to_save",
+    "modules_to_save",
+    "modules_to_save (full copies of modules)",
+    "`modules_to_save` (axolotl `lora_modules_to_save`): full copies of modules",
+)
+_refused("lora_bias", "lora_bias", "LoRA bias terms", "`lora_bias: true` (LoRA bias terms)")
+_refused(
+    "layer_replication",
+    "layer_replication",
+    "layer_replication",
+    "`layer_replication` (axolotl `peft_layer_replication`)",
+)
+_refused("alora", "alora_invocation_tokens", "aLoRA (activated LoRA)", "aLoRA: `alora_invocation_tokens`")
+_refused("qalora", "use_qalora", "QALoRA", "QALoRA: `use_qalora`")
+_refused("bdlora", "use_bdlora", "block-diagonal LoRA (BD-LoRA)", "BD-LoRA: `use_bdlora`")
+
+
+@check("config.bias", "error", "`bias` is not 'none' (vLLM needs bias 'none')", scopes=BOTH)
+def bias(ctx):
+    lv = ctx.lora
+    if lv.get("bias", "none") != "none":
+        yield Issue(f"bias = {lv.get('bias')!r}; vLLM needs bias 'none': retrain with bias='none'", lv.source)
+
+
+@check(
+    "config.init",
+    "error",
+    "`init_lora_weights` is PiSSA/OLoRA/LoftQ/CorDA (they change the base weights; "
+    "axolotl `peft_init_lora_weights`)",
+    scopes=BOTH,
+)
+def init(ctx):
+    lv = ctx.lora
+    v = lv.get("init_lora_weights", True)
+    if isinstance(v, str) and v.lower() not in PLAIN_INITS:
+        fix = (
+            f"remove {lv.name('init_lora_weights')} (plain LoRA init)"
+            if lv.kind == "train"
+            else "convert it to a plain LoRA with peft's path_initial_model_for_weight_conversion"
+        )
+        yield Issue(
+            f"{lv.name('init_lora_weights')} = {v!r} (PiSSA/OLoRA/LoftQ/CorDA change the base weights) is refused "
+            f"by vLLM: {fix}",
+            lv.source,
+        )
+
+
+@check(
+    "config.rslora", "error", "`use_rslora` (axolotl `peft_use_rslora`); fix: `--fold-rslora`", scopes=BOTH
+)
+def rslora(ctx):
+    lv = ctx.lora
+    if lv.get("use_rslora"):
+        if lv.kind == "train":
+            yield Issue(
+                f"{lv.name('use_rslora')}: true; use plain LoRA scaling (alpha/r) for the fleet", lv.source
+            )
+        else:
+            yield Issue(
+                "use_rslora is set (scale alpha/sqrt(r)); the fleet serves plain alpha/r: normalise with "
+                "`pipeline validate --fold-rslora` (folds the scale into lora_alpha, weights unchanged) or retrain "
+                "without peft_use_rslora",
+                lv.source,
+            )
+
+
+@check(
+    "config.target_parameters",
+    "error",
+    "`target_parameters` set (parameter LoRA for MoE experts: the "
+    "dense Qwen3.5 fleet applies LoRA to modules only)",
+    scopes=BOTH,
+)
+def target_parameters(ctx):
+    lv = ctx.lora
+    if lv.get("target_parameters"):
+        yield Issue(
+            f"{lv.name('target_parameters')} = {lv.get('target_parameters')!r}: PEFT wraps these parameters, but "
+            "vLLM serves LoRA on Qwen3.5's linear modules only, so what was trained there would not be served: use "
+            f"{lv.name('target_modules')}",
+            lv.source,
+        )
+
+
+def _peft_names(base) -> list[str]:
+    """The base's linear modules as PEFT names them on the text model (model.layers.N.sub, lm_head...)."""
+    out = []
+    for m, info in base.modules.items():
+        if len(info.shape) != 2:
+            continue
+        if m.startswith("layers."):
+            out.append("model." + m)
+        elif m == "embed_tokens":
+            out.append("model.embed_tokens")
+        elif m == "lm_head":
+            out.append("lm_head")
+    return sorted(out)
+
+
+@check(
+    "config.target_absent",
+    "error",
+    "a `target_modules` entry matches no module of the base (e.g. `in_proj_qkvz`, a name from another model)",
+    scopes=BOTH,
+)
+def target_absent(ctx):
+    lv, base = ctx.lora, ctx.base
+    names = _peft_names(base)
+    for entry, hits in matching_entries({"target_modules": lv.get("target_modules")}, names).items():
+        if not hits:
+            yield Issue(
+                f"{lv.name('target_modules')} entry {entry!r} matches no module of the base {base.path}: PEFT would "
+                "refuse or skip it; use the base's names (e.g. q_proj, in_proj_qkv, in_proj_z, out_proj, down_proj)",
+                lv.source,
+            )
+
+
+@check(
+    "config.patterns_ignored",
+    "warning",
+    "`rank_pattern`/`alpha_pattern` give a module another scale than "
+    "alpha/r and the fleet's vLLM ignores them (0.19-0.25): publish folds the scale into lora_B",
+    scopes=BOTH,
+    severity_doc="warning (error on a published directory)",
+)
+def patterns_ignored(ctx):
+    lv = ctx.lora
+    try:
+        rng = ctx.vllm
+    except Unavailable:
+        return
+    if rng.honours_patterns:
+        return
+    r, alpha = lv.get("r"), lv.get("lora_alpha")
+    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)):
+        return
+    rp, ap = lv.get("rank_pattern") or {}, lv.get("alpha_pattern") or {}
+    rs = bool(lv.get("use_rslora"))
+
+    def scale(rank, a):
+        return a / math.sqrt(rank) if rs else a / rank
+
+    want = scale(r, alpha)
+    try:  # adapter: the modules in the tensors, as PEFT names them; training config: the pattern keys
+        names = sorted({m.peft_module for m in ctx.modules})
+    except (Unavailable, AttributeError):
+        names = list(rp) + list(ap)
+    differ = [
+        k
+        for k in names
+        if not math.isclose(scale(int(pattern_value(rp, k, r)), float(pattern_value(ap, k, alpha))), want)
+    ]
+    if not differ:
+        return
+    published = getattr(ctx, "published", False)
+    yield Issue(
+        f"vLLM {ctx.rules.vllm_version} ({rng.name}) ignores rank_pattern/alpha_pattern and scales every module by "
+        f"alpha/r = {want:g}, but {len(differ)} module(s) ({', '.join(sorted(differ)[:3])}...) were trained with "
+        "another scale: served as-is those modules would "
+        + (
+            "be wrong; re-publish the registered version (publish folds the trained scale into lora_B)"
+            if published
+            else "be wrong. `pipeline publish` folds each module's trained scale into lora_B (per-module deltas "
+            "proven identical; recorded in the manifest)"
+        ),
+        lv.source,
+        "error" if published else None,
+    )
+
+
+@check(
+    "config.embedding_targets",
+    "error",
+    "`lora_target_modules` lists embed_tokens/lm_head and the fleet "
+    "does not serve embedding LoRA (`fleet.allow_embedding_targets`)",
+    scopes=("train",),
+)
+def embedding_targets(ctx):
+    lv = ctx.lora
+    emb = sorted(set(lv.targets) & EMBEDDING_MODULES)
+    if emb and not ctx.rules.allow_embedding_targets:
+        yield Issue(
+            f"{lv.name('target_modules')} includes {emb}; not servable by a hot-loading fleet", lv.source
+        )

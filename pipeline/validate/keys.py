@@ -1,0 +1,385 @@
+"""Tensor names: vLLM's key grammar, module pairing, the base's modules and shapes, and what the served
+vLLM version applies. The module set from the config (PEFT's matching), the set in the tensors and the
+set the served version applies must be the same.
+
+Checks run in registration order; one that refuses a module calls `ctx.reject(m)` so later checks do not
+report it again. Sources: vllm/lora/utils.py (`parse_fine_tuned_lora_name`, `is_in_target_modules`),
+vllm/model_executor/models/qwen3_5.py (modules, packing, weight mapper), peft `check_target_module_exists`.
+"""
+
+from __future__ import annotations
+
+from pipeline.artifacts.peft_match import peft_targets
+from pipeline.serving.modules import runtime_target, served_key_prefix
+from pipeline.serving.vllm import EMBEDDING_MODULES, fleet_applies
+from pipeline.validate.registry import Issue, Unavailable, check
+
+
+def ranges(xs) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    xs = sorted(set(xs))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _where(ctx, m) -> str:
+    return f"{ctx.wfile}:{m.module}"
+
+
+@check(
+    "keys.unknown", "error", "a tensor that is no LoRA A/B factor (e.g. a base weight saved into the adapter)"
+)
+def unknown(ctx):
+    for name in ctx.unknown_tensors:
+        yield Issue(
+            "not a LoRA A/B tensor name (expected ...<module>.lora_A.weight): remove it or re-save with peft",
+            f"{ctx.wfile}:{name}",
+        )
+
+
+@check(
+    "keys.grammar",
+    "error",
+    "a LoRA tensor name vLLM's parser refuses (`lora_A.default.weight`, `lora_A` without `.weight`...)",
+)
+def grammar(ctx):
+    for name, why in ctx.malformed_tensors.items():
+        if "bias" not in why:
+            yield Issue(
+                f"{why}: vLLM refuses to load the adapter (HTTP 500); re-save it with peft's save_pretrained, which "
+                "writes `<module>.lora_A.weight`",
+                f"{ctx.wfile}:{name}",
+            )
+
+
+@check(
+    "keys.bias",
+    "error",
+    "`lora_B.bias` tensors (lora_bias): PEFT drops them when `lora_bias` is false, vLLM refuses them",
+)
+def bias_tensors(ctx):
+    names = [n for n, why in ctx.malformed_tensors.items() if "bias" in why]
+    if names:
+        lb = ctx.cfg.raw.get("lora_bias") if ctx._config[0] is not None else None
+        yield Issue(
+            f"{len(names)} LoRA bias tensor(s), e.g. {names[0]} (adapter_config.json lora_bias = {lb!r}): vLLM "
+            "refuses LoRA bias (HTTP 500 at load) and PEFT ignores them unless lora_bias is true; retrain without "
+            "LoRA bias",
+            str(ctx.wfile),
+        )
+
+
+@check("keys.pair", "error", "lora_A without lora_B (or the reverse)")
+def pair(ctx):
+    for m in ctx.live():
+        if m.a is None or m.b is None:
+            ctx.reject(m)
+            missing = "lora_B" if m.b is None else "lora_A"
+            yield Issue(
+                f"{missing} missing for {m.module}: the adapter is truncated or mis-saved; re-save it from the "
+                "training output",
+                _where(ctx, m),
+            )
+
+
+@check(
+    "keys.embedding",
+    "error",
+    "embed_tokens/lm_head LoRA while the fleet does not serve it "
+    "(`fleet.allow_embedding_targets`, and vLLM 0.19-0.25 reject it)",
+)
+def embedding(ctx):
+    for m in ctx.live():
+        if m.head not in EMBEDDING_MODULES:
+            continue
+        ctx.reject(m)
+        if not ctx.rules.allow_embedding_targets:
+            yield Issue(
+                f"{m.module} LoRA: the fleet does not serve embedding/lm_head adapters (fleet.allow_embedding_targets): "
+                "retrain without it in lora_target_modules",
+                _where(ctx, m),
+            )
+            continue
+        try:
+            rng = ctx.vllm
+        except Unavailable:
+            continue
+        if not rng.embedding_lora:
+            yield Issue(
+                f"{m.module} LoRA: vLLM {ctx.rules.vllm_version} ({rng.name}) has no embedding LoRA for Qwen3.5 "
+                "(empty embedding_modules): retrain without it, or upgrade the fleet to 0.32+",
+                _where(ctx, m),
+            )
+
+
+@check("keys.mtp", "error", "`mtp.*` LoRA (vLLM's MTP drafter has none: loads, never applied)")
+def mtp(ctx):
+    for m in ctx.live():
+        if m.head == "mtp":
+            ctx.reject(m)
+            yield Issue(
+                f"{m.module}: vLLM's MTP drafter has no LoRA support; drop mtp.* from the targets and retrain",
+                _where(ctx, m),
+            )
+
+
+@check("keys.visual", "error", "vision-tower LoRA (accepted by vLLM, never applied on a text fleet)")
+def visual(ctx):
+    for m in ctx.live():
+        if m.head == "visual":
+            ctx.reject(m)
+            yield Issue(
+                f"{m.module}: vision-tower LoRA is not served by a text fleet: restrict lora_target_modules to "
+                "language-model modules",
+                _where(ctx, m),
+            )
+
+
+@check("keys.conv1d", "error", "`conv1d` LoRA (vLLM's kernel reads the weight directly: no effect)")
+def conv1d(ctx):
+    for m in ctx.live():
+        if m.sub and m.sub.endswith("conv1d"):
+            ctx.reject(m)
+            yield Issue(
+                f"{m.module}: vLLM accepts conv1d LoRA but applies nothing: drop conv1d from lora_target_modules and "
+                "retrain",
+                _where(ctx, m),
+            )
+
+
+@check("keys.layer", "error", "a layer index >= the base's layer count")
+def layer(ctx):
+    n = ctx.base.num_layers
+    for m in ctx.live():
+        if m.layer is not None and m.layer >= n:
+            ctx.reject(m)
+            yield Issue(
+                f"layer {m.layer} >= the base's {n} layers: the adapter is for another base; retrain on this one",
+                _where(ctx, m),
+            )
+
+
+@check(
+    "keys.module",
+    "error",
+    "not a decoder-layer module, or a module that layer type lacks (q_proj only on "
+    "full attention, in_proj_* only on Gated DeltaNet)",
+)
+def module(ctx):
+    for m in ctx.live():
+        if m.layer is None:
+            ctx.reject(m)
+            yield Issue(
+                f"{m.module} is not a decoder-layer module of the base: remove it from the targets",
+                _where(ctx, m),
+            )
+    try:
+        base = ctx.base
+    except Unavailable:
+        return
+    for m in ctx.live():
+        allowed = ctx.allowed_modules(m.layer)
+        lt = base.layer_types[m.layer] if m.layer < len(base.layer_types) else "?"
+        if m.sub not in allowed:
+            ctx.reject(m)
+            yield Issue(
+                f"{m.sub} does not exist on layer {m.layer} ({lt}) or vLLM cannot patch it; modules on {lt} layers: "
+                f"{sorted(allowed)}",
+                _where(ctx, m),
+            )
+        elif base.linear_shape(m.module) is None:
+            ctx.reject(m)
+            yield Issue(
+                f"base has no 2-D weight for {m.module}: the adapter is for another base", _where(ctx, m)
+            )
+
+
+@check("keys.shape", "error", "A/B shapes do not fit the base's `[out, in]`, or A and B disagree on the rank")
+def shape(ctx):
+    base = ctx.base
+    for m in ctx.live():
+        out_f, in_f = base.linear_shape(m.module)
+        a, b = m.a.shape, m.b.shape
+        if len(a) != 2 or a[1] != in_f:
+            msg = (
+                f"lora_A {list(a)} does not fit base in_features {in_f} (expected [r, {in_f}]): adapter for "
+                "another base; retrain on this base"
+            )
+        elif len(b) != 2 or b[0] != out_f:
+            msg = (
+                f"lora_B {list(b)} does not fit base out_features {out_f} (expected [{out_f}, r]): adapter for "
+                "another base; retrain on this base"
+            )
+        elif b[1] != a[0]:
+            msg = f"lora_A rank {a[0]} != lora_B rank {b[1]}: mis-saved adapter"
+        else:
+            continue
+        ctx.reject(m)
+        yield Issue(msg, _where(ctx, m))
+
+
+@check(
+    "keys.rank", "error", "a tensor's rank differs from `r` / `rank_pattern` (served with the wrong scale)"
+)
+def rank(ctx):
+    cfg = ctx.typed_cfg
+    for m in ctx.live():
+        want = cfg.rank_for(m.peft_module)
+        if m.rank is not None and m.rank != want:
+            ctx.reject(m)
+            yield Issue(
+                f"tensor rank {m.rank} != configured r {want} (rank_pattern honoured): vLLM would serve it with the "
+                "wrong scale; set r (or rank_pattern) in adapter_config.json to the tensors' rank",
+                _where(ctx, m),
+            )
+
+
+@check(
+    "keys.fleet_targets",
+    "error",
+    "a module outside `--lora-target-modules` (vLLM's packed-module rule: listing `q_proj` opens `qkv_proj`)",
+)
+def fleet_targets(ctx):
+    outside: dict[str, list[int]] = {}
+    for m in ctx.live():
+        short = m.sub.split(".")[-1]
+        if not fleet_applies(short, ctx.rules.lora_target_modules):
+            outside.setdefault(short, []).append(m.layer)
+    for short, layers in sorted(outside.items()):
+        yield Issue(
+            f"{short} (layers {ranges(layers)}) is outside the fleet's --lora-target-modules "
+            f"{ctx.rules.lora_target_modules}: vLLM would silently not apply it; add {short} to "
+            "fleet.lora_target_modules (and the instances' flags) or retrain without it",
+            str(ctx.wfile),
+        )
+
+
+@check(
+    "keys.mixed_layout",
+    "error",
+    "the same module under both the text (`model.layers.N`) and the VL "
+    "(`model.language_model.layers.N`) prefix",
+)
+def mixed_layout(ctx):
+    seen: dict[str, list] = {}
+    for m in ctx.live():
+        seen.setdefault(m.module, []).append(m)
+    for module, ms in sorted(seen.items()):
+        if len(ms) > 1:
+            for m in ms:
+                ctx.reject(m)
+            yield Issue(
+                f"{module} is stored under {len(ms)} prefixes ({', '.join(m.peft_module for m in ms)}): which one "
+                "vLLM applies depends on the served class; re-save the adapter from the training output",
+                str(ctx.wfile),
+            )
+
+
+@check(
+    "keys.served_layout",
+    "warning",
+    "keys in a layout the served class never applies (text-layout "
+    "`model.layers.N` keys against `Qwen3_5ForConditionalGeneration`): they load and change nothing; publish "
+    "renames them (parity proven)",
+    severity_doc="warning (error on a published directory)",
+)
+def served_layout(ctx):
+    rng, arch = ctx.vllm, ctx.served_architecture
+    prefix = served_key_prefix(arch)
+    if prefix is None or arch not in rng.qwen35_classes:
+        return
+    wrong = [m for m in ctx.live() if runtime_target(m.peft_module, arch, rng).status != "applied"]
+    if not wrong:
+        return
+    mixed = len(wrong) < len(ctx.live())
+    first = wrong[0].peft_module
+    what = (
+        f"{len(wrong)} of {len(ctx.live())} modules (e.g. {first}) are keyed in a layout {arch} never applies on "
+        f"vLLM {ctx.rules.vllm_version} ({rng.name}): they load with HTTP 200 and change nothing"
+        + (" (the adapter mixes layouts)" if mixed else "")
+        + f"; the served layout is {prefix}N"
+    )
+    if ctx.published:
+        yield Issue(
+            f"{what}: re-publish from the registry (publish renames the keys)", str(ctx.wfile), "error"
+        )
+    else:
+        yield Issue(
+            f"{what}. `pipeline publish` renames the keys to {prefix}N (tensors byte-identical, parity "
+            "proven, recorded in the manifest)",
+            str(ctx.wfile),
+        )
+
+
+def _layout_prefix(ctx) -> str:
+    layouts = {m.layout for m in ctx.modules if m.layout}
+    return "model.language_model." if layouts == {"vl"} else "model."
+
+
+def _expected(ctx) -> dict[str, set[int]]:
+    """{sub: layers} where PEFT's matching of the config puts a LoRA on the base's LoRA-able modules."""
+    cfg, base = ctx.typed_cfg, ctx.base
+    prefix = _layout_prefix(ctx)
+    out: dict[str, set[int]] = {}
+    for i in range(base.num_layers):
+        for sub in base.layer_modules(i) & ctx.allowed_modules(i):
+            if peft_targets(cfg.raw, f"{prefix}layers.{i}.{sub}"):
+                out.setdefault(sub, set()).add(i)
+    return out
+
+
+def _present(ctx) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for m in ctx.live():
+        out.setdefault(m.sub, set()).add(m.layer)
+    return out
+
+
+@check(
+    "keys.not_targeted",
+    "error",
+    "tensors for modules PEFT's matching of the config does not target "
+    "(`target_modules`, `layers_to_transform`, `layers_pattern`, `exclude_modules`): PEFT would not apply them, "
+    "vLLM would",
+)
+def not_targeted(ctx):
+    expected, present = _expected(ctx), _present(ctx)
+    for sub, layers in sorted(present.items()):
+        extra = layers - expected.get(sub, set())
+        if extra:
+            yield Issue(
+                f"tensors adapt {sub} on layers {ranges(extra)} but adapter_config.json does not target them (PEFT's "
+                "target_modules / layers_to_transform / exclude_modules matching): PEFT would skip them and vLLM "
+                "would apply them, so training and serving differ; fix adapter_config.json or re-save the adapter",
+                ctx.where_config,
+            )
+
+
+@check("keys.declared_absent", "error", "the config targets a module type no tensor adapts")
+def declared_absent(ctx):
+    expected, present = _expected(ctx), _present(ctx)
+    for sub in sorted(set(expected) - set(present)):
+        yield Issue(
+            f"target_modules covers {sub} (layers {ranges(expected[sub])}) but no tensor adapts it: the adapter was "
+            "mis-saved or target_modules is wrong",
+            ctx.where_config,
+        )
+
+
+@check("keys.partial", "error", "a targeted module type is missing on some layers (partial coverage)")
+def partial(ctx):
+    expected, present = _expected(ctx), _present(ctx)
+    for sub, layers in sorted(present.items()):
+        missing = sorted(expected.get(sub, set()) - layers)
+        if sub in expected and missing:
+            yield Issue(
+                f"partial adapter: {sub} adapted on {len(layers & expected[sub])} of {len(expected[sub])} layers; "
+                f"missing on layers {ranges(missing)}: re-save from the training output or set layers_to_transform",
+                ctx.where_config,
+            )

@@ -1,0 +1,118 @@
+"""What `pipeline publish` asks validation before a version goes onto the volume.
+
+1. The verdict is bound to what it checked (`ValidationReport.bound`: weights, served checkpoint identity,
+   fleet vLLM version, rules version). When the served checkpoint (its config.json sha256 or revision), the
+   fleet's vLLM version or the rule set differs now, the registered adapter is re-validated statically
+   against the current config; a failure refuses the publish.
+2. The fleet's vLLM version must lie in a known range (`pipeline.serving.versions`), unless the verdict was
+   computed with `--allow serving.version_unknown`.
+3. The staging copy is normalised for the served class and version (`normalise_for_serving`: keys renamed to
+   the served layout, patterns folded into lora_B, safetensors `format` metadata), each step parity-proven.
+
+Returns the record publish writes into the manifest (`normalised`, `revalidated`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.artifacts.checkpoint import read_checkpoint
+from pipeline.artifacts.hashing import sha256_file
+from pipeline.errors import CheckFailed
+from pipeline.serving.versions import UnknownVllmVersion, rules_for
+from pipeline.validate import default_base, validate_adapter
+from pipeline.validate.normalise import ParityError, normalise_for_serving
+from pipeline.validate.registry import rules_version
+from pipeline.validate.report import FleetRules
+
+
+def _bound(tags: dict) -> dict:
+    try:
+        return json.loads(tags.get("validation.report") or "{}").get("bound") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return {}
+
+
+def current_binding(cfg) -> dict:
+    """The served identity, fleet version and rules version publish would validate against now."""
+    path = cfg.served.path
+    cfg_file = Path(path) / "config.json" if path else None
+    return {
+        "served": {
+            "revision": cfg.served.revision,
+            "path": str(path) if path else None,
+            "config_sha256": sha256_file(cfg_file) if cfg_file and cfg_file.is_file() else None,
+        },
+        "vllm_version": cfg.fleet.vllm_version,
+        "rules_version": rules_version(),
+    }
+
+
+def binding_differences(bound: dict, now: dict) -> list[str]:
+    """What differs between the verdict's binding and now (empty: the verdict still holds)."""
+    if not bound:
+        return ["the verdict records no binding (validated by an older pipeline)"]
+    out = []
+    if bound.get("vllm_version") != now["vllm_version"]:
+        out.append(f"fleet vLLM version {bound.get('vllm_version')} -> {now['vllm_version']}")
+    if bound.get("rules_version") != now["rules_version"]:
+        out.append(f"validation rules {bound.get('rules_version')} -> {now['rules_version']}")
+    b, n = bound.get("served") or {}, now["served"]
+    if (b.get("revision") or None) != (n["revision"] or None):
+        out.append(f"served revision {b.get('revision')} -> {n['revision']}")
+    if b.get("config_sha256") != n["config_sha256"]:
+        out.append(f"served checkpoint {b.get('path')} -> {n['path']} (config.json sha256 differs)")
+    return out
+
+
+def prepare_for_fleet(cfg, tags: dict, stage: Path) -> dict:
+    """Re-check if needed, then normalise `stage` (the copy about to be published) in place.
+
+    Returns {"normalised": {...}, "revalidated": {...}} (empty dicts dropped) for the manifest.
+    Raises CheckFailed: re-validation failed, the fleet's vLLM version is unknown, or a normalisation
+    would not be exact (the volume is untouched: the caller discards the staging copy).
+    """
+    bound = _bound(tags)
+    record: dict = {}
+    now = current_binding(cfg)
+    diffs = binding_differences(bound, now)
+    allow = set(bound.get("allowed") or [])
+    if diffs:
+        rep = validate_adapter(
+            stage, default_base(cfg, stage), FleetRules.from_config(cfg), allow=allow, require_base=True
+        )
+        if not rep.passed:
+            errors = sorted({c.id for c in rep.errors})
+            shown = "\n  ".join(str(c) for c in rep.errors[:10])
+            raise CheckFailed(
+                f"the validation verdict was computed against something else ({'; '.join(diffs)}), and re-validating "
+                f"against the current config fails ({', '.join(errors)}):\n  {shown}\nfix the adapter or the config, "
+                "then `pipeline register` it again"
+            )
+        record["revalidated"] = {
+            "because": diffs,
+            "verdict": rep.verdict,
+            "rules_version": now["rules_version"],
+        }
+    try:
+        rng = rules_for(cfg.fleet.vllm_version)
+    except UnknownVllmVersion as e:
+        if "serving.version_unknown" not in allow:
+            raise CheckFailed(f"{e}; nothing was published") from e
+        return record
+    arch = None
+    if cfg.served.path and (Path(cfg.served.path) / "config.json").is_file():
+        try:
+            arch = (read_checkpoint(Path(cfg.served.path)).config.get("architectures") or [None])[0]
+        except (FileNotFoundError, ValueError, OSError):
+            arch = None
+    try:
+        normalised = normalise_for_serving(stage, arch, rng)
+    except ParityError as e:
+        raise CheckFailed(
+            f"{e}; the adapter cannot be served exactly as trained: nothing was published"
+        ) from e
+    if normalised:
+        record["normalised"] = normalised
+    return record

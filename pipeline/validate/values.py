@@ -1,0 +1,131 @@
+"""Tensor values: finite, and every module's effective update `scale x ||B @ A||` non-zero and in family.
+
+Read through a read-only memory map with numpy (no torch): non-finite tests work on raw bits
+(bf16/fp16 exponent all ones = Inf/NaN), ~50x faster than torch.isfinite on bf16. The norm of a
+module's update `scale * B @ A` ([out, in]) is computed without forming it:
+||BA||_F^2 = sum((B^T B) * (A A^T)), two r x r Gram matrices.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from pipeline.artifacts.peft_match import peft_targets
+from pipeline.artifacts.safetensors import DTYPE_BYTES, raw_header
+from pipeline.validate.keys import ranges
+from pipeline.validate.registry import Issue, check
+
+NORM_OUTLIER = 10.0  # x the median update norm of the same module type
+SIZE_BAND = (0.5, 2.0)  # weights file / expected bytes
+NO_EFFECT = 1e-12  # an update norm below this changes nothing
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@check(
+    "values.nonfinite", "error", "NaN/Inf in a tensor (vLLM loads it and corrupts other tenants' requests)"
+)
+def nonfinite(ctx):
+    for name, n in ctx.nonfinite.items():
+        yield Issue(
+            f"{n} NaN/Inf values of {_numel(ctx.header[name].shape)}: vLLM loads it and corrupts other tenants' "
+            "requests; retrain (lower the learning rate, check for fp16 overflow)",
+            f"{ctx.wfile}:{name}",
+        )
+
+
+@check(
+    "values.untrained",
+    "error",
+    "no module changes the output (every `scale x ||B·A||` is 0: all lora_B or lora_A zero, `lora_alpha` 0)",
+)
+def untrained(ctx):
+    norms = ctx.update_norms
+    if norms and all(n < NO_EFFECT for n in norms.values()):
+        alpha = ctx.typed_cfg.lora_alpha if ctx._config[0] is not None and not ctx.cfg.problems else None
+        why = "lora_alpha is 0" if alpha == 0 else "every lora_B (or lora_A) is zero"
+        yield Issue(
+            f"the adapter changes nothing: {why}, so scale x ||B·A|| is 0 on all {len(norms)} modules; check that "
+            "training ran steps and saved the final adapter",
+            str(ctx.wfile),
+        )
+
+
+@check("values.no_effect", "error", "some modules change nothing (`scale x ||B·A||` = 0) while others do")
+def no_effect(ctx):
+    norms = ctx.update_norms
+    dead = sorted(m for m, n in norms.items() if n < NO_EFFECT)
+    if dead and len(dead) < len(norms):
+        by_sub: dict[str, list[int]] = {}
+        for m in ctx.live():
+            if m.peft_module in dead and m.layer is not None:
+                by_sub.setdefault(m.sub, []).append(m.layer)
+        listed = "; ".join(f"{sub} on layers {ranges(ls)}" for sub, ls in sorted(by_sub.items())) or dead[:5]
+        yield Issue(
+            f"{len(dead)} of {len(norms)} modules have a zero update (lora_A or lora_B all zero): {listed}; those "
+            "modules were never trained: re-save from the final checkpoint or retrain",
+            str(ctx.wfile),
+        )
+
+
+@check("values.norm_outlier", "warning", "a module's `‖scale·B·A‖` > 10x the median of its module type")
+def norm_outlier(ctx):
+    groups: dict[str, list[tuple[str, float]]] = {}
+    for m in ctx.live():
+        n = ctx.update_norms.get(m.peft_module)
+        if n is not None and m.sub:
+            groups.setdefault(m.sub, []).append((m.module, n))
+    medians = {}
+    for sub, items in sorted(groups.items()):
+        med = statistics.median(n for _, n in items)
+        medians[sub] = med
+        if len(items) < 3 or med <= 0:
+            continue
+        for module, n in items:
+            if n > NORM_OUTLIER * med:
+                yield Issue(
+                    f"update norm ||scale*B@A|| = {n:.4g} is {n / med:.0f}x the median {med:.4g} of {sub} over "
+                    f"{len(items)} layers: check for a diverged layer (lower the learning rate, clip gradients)",
+                    f"{ctx.wfile}:{module}",
+                )
+    ctx.report.stats["update_norm_median"] = {k: round(v, 6) for k, v in medians.items()}
+    ctx.report.stats["max_update_norm"] = max(ctx.update_norms.values(), default=0.0)
+
+
+@check(
+    "values.size_band",
+    "error",
+    "file size outside 0.5-2x of the bytes implied by r (+rank_pattern), target_modules and base shapes",
+)
+def size_band(ctx):
+    cfg, base, header = ctx.typed_cfg, ctx.base, ctx.header
+    if not cfg.r:
+        return
+    dtypes = [t.dtype for t in header.values()]
+    per = DTYPE_BYTES.get(max(set(dtypes), key=dtypes.count), 2) if dtypes else 2
+    layouts = {m.layout for m in ctx.modules if m.layout}
+    prefix = "model.language_model." if layouts == {"vl"} else "model."
+    params = 0
+    for i in range(base.num_layers):
+        for sub in base.layer_modules(i) & ctx.allowed_modules(i):
+            name = f"{prefix}layers.{i}.{sub}"
+            if peft_targets(cfg.raw, name) and (shape := base.linear_shape(f"layers.{i}.{sub}")):
+                params += cfg.rank_for(name) * (shape[0] + shape[1])
+    expected = params * per + raw_header(ctx.wfile)[0]
+    actual = ctx.wfile.stat().st_size
+    ctx.report.stats["expected_weights_bytes"] = expected
+    if params == 0:
+        return
+    ratio = actual / expected
+    if not SIZE_BAND[0] <= ratio <= SIZE_BAND[1]:
+        yield Issue(
+            f"{actual:,} bytes is {ratio:.2f}x the {expected:,} bytes implied by r, target_modules and the base's "
+            f"shapes (band {SIZE_BAND[0]}-{SIZE_BAND[1]}x): tensors missing or extra data; re-save the adapter or fix "
+            "adapter_config.json",
+            str(ctx.wfile),
+        )

@@ -1,0 +1,152 @@
+"""The adapter directory and its weights file: untrusted input, read only as regular files.
+
+safetensors rules are the loader's own (`pipeline.artifacts.safetensors`); pickle files are never
+loaded (they can run code).
+"""
+
+from __future__ import annotations
+
+from pipeline.artifacts.adapter import WEIGHTS_FILE
+from pipeline.serving.vllm import ALLOWED_DTYPES
+from pipeline.validate.registry import Issue, check
+
+
+@check("adapter.missing", "error", "the adapter directory does not exist")
+def adapter_missing(ctx):
+    if not ctx.adapter_dir.is_dir():
+        yield Issue("adapter directory not found: check the path", str(ctx.adapter_dir))
+
+
+@check(
+    "adapter.unsafe_file",
+    "error",
+    "a symlink or special file (FIFO, socket, device) in the adapter directory: "
+    "never read, copied or registered",
+)
+def unsafe_file(ctx):
+    for p, what in ctx.scan.unsafe:
+        yield Issue(
+            f"{what} in the adapter directory: only regular files are read, copied or registered (a symlink can expose "
+            "files from outside the directory); replace it with the file it points to, or remove it",
+            str(p),
+        )
+
+
+@check(
+    "base.missing",
+    "error",
+    "no base checkpoint to validate against (register/run/validate need one)",
+    option="require_base",
+)
+def base_missing(ctx):
+    if ctx.base_dir is None:
+        yield Issue(
+            "no base checkpoint to validate against: pass --base DIR or set base.path in pipeline.yaml",
+            str(ctx.adapter_dir),
+        )
+
+
+@check(
+    "base.unreadable", "error", "the base checkpoint cannot be read (no config.json, corrupt shard header)"
+)
+def base_unreadable(ctx):
+    _, err = ctx._base
+    if err:
+        yield Issue(f"{err}: pass --base with the bf16 checkpoint directory", str(ctx.base_dir))
+
+
+def _state(ctx, name):
+    if not ctx.adapter_dir.is_dir():
+        return
+    state, detail = ctx.weights_state
+    if state == name:
+        yield detail
+
+
+@check("weights.missing", "error", f"no `{WEIGHTS_FILE}`")
+def weights_missing(ctx):
+    for _ in _state(ctx, "missing"):
+        yield Issue(f"{WEIGHTS_FILE} is missing: copy it from the training output_dir", str(ctx.adapter_dir))
+
+
+@check("weights.not_file", "error", f"`{WEIGHTS_FILE}` is a directory, symlink or special file")
+def weights_not_file(ctx):
+    for kind in _state(ctx, "not_file"):
+        yield Issue(
+            f"{WEIGHTS_FILE} is {kind}, not a regular file: copy the real weights file from the training output_dir",
+            str(ctx.wfile),
+        )
+
+
+@check("weights.pickle", "error", "only a pickle weights file (`adapter_model.bin`...): can run code on load")
+def weights_pickle(ctx):
+    for p in _state(ctx, "pickle"):
+        yield Issue(
+            f"{p} is a pickle file (can run code on load; the pipeline verifies safetensors only): re-save with "
+            "save_pretrained(safe_serialization=True)",
+            str(ctx.adapter_dir / p),
+        )
+
+
+@check("weights.ambiguous", "error", "both safetensors and a pickle weights file")
+def weights_ambiguous(ctx):
+    for p in _state(ctx, "ambiguous"):
+        yield Issue(
+            f"both {WEIGHTS_FILE} and {p} present: which one loads depends on the loader; delete the pickle file",
+            str(ctx.adapter_dir),
+        )
+
+
+@check(
+    "weights.header",
+    "error",
+    "the safetensors loader would refuse the file: truncated, not JSON, header too "
+    "long, offsets overlapping/gapped/out of bounds, size vs dtype x shape, trailing bytes",
+)
+def weights_header(ctx):
+    for detail in _state(ctx, "header"):
+        yield Issue(f"{detail}; re-copy the file from the training output (or re-save it)", str(ctx.wfile))
+    for detail in _state(ctx, "unreadable"):
+        yield Issue(f"{detail}: check permissions and re-copy the file", str(ctx.wfile))
+
+
+@check("weights.empty", "error", "no tensors in the weights file")
+def weights_empty(ctx):
+    for _ in _state(ctx, "empty"):
+        yield Issue("no tensors in the weights file: re-save the adapter", str(ctx.wfile))
+
+
+@check("weights.dtype", "error", "a tensor is not bf16/fp16/fp32")
+def weights_dtype(ctx):
+    for name, info in ctx.header.items():
+        if info.dtype not in ALLOWED_DTYPES:
+            yield Issue(
+                f"dtype {info.dtype}; vLLM loads bf16/fp16/fp32 LoRA weights: re-save in bf16",
+                f"{ctx.wfile}:{name}",
+            )
+
+
+@check(
+    "weights.metadata",
+    "warning",
+    'no `__metadata__` or its `format` is not `pt` (some loaders need `{"format": "pt"}`; publish writes it)',
+    severity_doc="warning (error on a published directory)",
+)
+def weights_metadata(ctx):
+    meta = ctx.metadata
+    fmt = (meta or {}).get("format")
+    if fmt == "pt":
+        return
+    what = "has no __metadata__" if meta is None else f"has __metadata__ format {fmt!r}"
+    if ctx.published:
+        yield Issue(
+            f"{what}; transformers' loader needs {{'format': 'pt'}}: re-publish the version",
+            str(ctx.wfile),
+            "error",
+        )
+    else:
+        yield Issue(
+            f"{what}; transformers/PEFT's loader needs {{'format': 'pt'}}: `pipeline publish` writes it (tensor bytes "
+            "unchanged; recorded in the manifest)",
+            str(ctx.wfile),
+        )

@@ -1,0 +1,880 @@
+"""The failing fixtures: one per issue instance (and the siblings found per kind), each made from the good
+tiny-base adapter at test time by one edit; `test_validate.py` runs them, `test_coverage.py` checks that every
+registered check id has at least one.
+
+A case: (check id, severity, edit, fleet rules kwargs, words the message or where must contain, extra
+`validate_adapter` kwargs). An edit is ("config", {field: value}), ("tensors", fn(tensors) -> tensors) or
+("dir", fn(adapter_dir, env)); rules and kwargs may be callables of `env` (tiny bases, served checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+W = "adapter_model.safetensors"
+C = "adapter_config.json"
+P = "base_model.model.model.layers."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_DROP = object()
+NEW = "0.32.0"  # a fleet version whose rules accept the tiny NVFP4 served checkpoint (Qwen3_5ForCausalLM)
+
+
+def edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / C).read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / C).write_text(json.dumps(cfg))
+
+
+def edit_tensors(d: Path, fn, metadata={"format": "pt"}) -> None:  # noqa: B006 - read-only default
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(d / W))
+    t = fn(t) or t
+    save_file(t, str(d / W), metadata=metadata)
+
+
+def _rename(old: str, new: str):
+    return lambda t: {k.replace(old, new): v for k, v in t.items()}
+
+
+def _add_pair(module: str, a_shape, b_shape):
+    import torch
+
+    def fn(t):
+        t[f"base_model.model.{module}.lora_A.weight"] = torch.randn(a_shape)
+        t[f"base_model.model.{module}.lora_B.weight"] = torch.randn(b_shape)
+
+    return fn
+
+
+def _set(name: str, fn_value):
+    def fn(t):
+        t[name] = fn_value(t[name])
+
+    return fn
+
+
+def _drop(pred):
+    return lambda t: {k: v for k, v in t.items() if not pred(k)}
+
+
+def _zero(which: str, pred=lambda k: True):
+    return lambda t: {k: (v * 0 if which in k and pred(k) else v) for k, v in t.items()}
+
+
+def _add(name: str, shape):
+    import torch
+
+    def fn(t):
+        t[name] = torch.randn(shape)
+
+    return fn
+
+
+def _nan_fill(v):
+    import torch
+
+    return v.index_fill(0, torch.tensor([0]), float("nan"))
+
+
+# -- raw safetensors surgery (what the safetensors loader refuses) ------------------------------------------------
+def _rewrite_header(d: Path, fn, extra_data: bytes = b"") -> None:
+    raw = (d / W).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    header, data = fn(header, data) or (header, data)
+    hb = json.dumps(header).encode()
+    (d / W).write_bytes(struct.pack("<Q", len(hb)) + hb + data + extra_data)
+
+
+def _overlap(header, data):
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    a, b = header[names[0]], header[names[1]]
+    b["data_offsets"] = [
+        a["data_offsets"][0],
+        a["data_offsets"][0] + (b["data_offsets"][1] - b["data_offsets"][0]),
+    ]
+    last = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    return header, data[:last]
+
+
+def _gap(header, data):
+    for k, v in header.items():
+        if k != "__metadata__":
+            v["data_offsets"] = [v["data_offsets"][0] + 8, v["data_offsets"][1] + 8]
+    return header, b"\0" * 8 + data
+
+
+def _dtype(name):
+    def fn(header, data):
+        first = next(k for k in header if k != "__metadata__")
+        header[first]["dtype"] = name
+
+    return fn
+
+
+def _raw(d: Path, fn) -> None:
+    (d / W).write_bytes(fn((d / W).read_bytes()))
+
+
+# -- directory surgery ---------------------------------------------------------------------------------------------
+def _symlink_notes(d, env):
+    os.symlink("/etc/shadow", d / "notes.txt")
+
+
+def _fifo(d, env):
+    os.mkfifo(d / "pipe")
+
+
+def _fifo_manifest(d, env):
+    os.mkfifo(d / "manifest.json")  # opening it would block: it must never be read
+
+
+def _symlink_dir(d, env):
+    os.symlink(env.tiny_base, d / "base-link")
+
+
+def _weights_dir(d, env):
+    (d / W).unlink()
+    (d / W).mkdir()
+
+
+def _weights_symlink(d, env):
+    target = d.parent / "elsewhere.safetensors"
+    shutil.move(d / W, target)
+    os.symlink(target, d / W)
+
+
+def _config_dir(d, env):
+    (d / C).unlink()
+    (d / C).mkdir()
+
+
+def _with_tokenizer(d, env):
+    for f in TOKENIZER_FILES:
+        if (env.tiny_base / f).exists():
+            shutil.copy2(env.tiny_base / f, d / f)
+
+
+def _template_only(drift):
+    def fn(d, env):
+        (d / "chat_template.jinja").write_text(drift((env.tiny_base / "chat_template.jinja").read_text()))
+
+    return fn
+
+
+def _tool_drift(t: str) -> str:
+    return t.replace("'\\n<tool_response>\\n'", "'<tool_response>'")
+
+
+def _genprompt_drift(t: str) -> str:
+    i = t.rindex("{{- '<|im_start|>assistant\\n' }}")
+    return (
+        t[:i]
+        + "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+        + t[i + len("{{- '<|im_start|>assistant\\n' }}") :]
+    )
+
+
+def _eos(token):
+    def fn(d, env):
+        _with_tokenizer(d, env)
+        tc = json.loads((d / "tokenizer_config.json").read_text())
+        tc["eos_token"] = token
+        (d / "tokenizer_config.json").write_text(json.dumps(tc))
+
+    return fn
+
+
+def _served_copy(env, name, fn):
+    """A copy of the tiny NVFP4 served checkpoint with `fn(dir)` applied (cached per env)."""
+    out = env.tmp / name
+    if not out.exists():
+        shutil.copytree(env.served, out)
+        fn(out)
+    return out
+
+
+def _corrupt_tokenizer_json(d):
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+
+
+def _corrupt_tokenizer_config(d):
+    (d / "tokenizer_config.json").write_text("{oops")
+
+
+def _gen_eos(d):
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["eos_token"] = "<|endoftext|>"
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+
+
+def _corrupt_adapter_tokenizer(d, env):
+    _with_tokenizer(d, env)
+    (d / "tokenizer.json").write_text("not json at all")
+
+
+def _added_token(d, env):
+    _with_tokenizer(d, env)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    new_id = max(t["id"] for t in tj["added_tokens"]) + 1
+    tj["added_tokens"].append(
+        {
+            "id": new_id,
+            "content": "<my_tool>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    )
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+
+
+def _served_vl(env):
+    return {"served_path": env.tiny_vl_base, "vllm_version": "0.19.2"}
+
+
+def _served_nvfp4(version):
+    return lambda env: {"served_path": env.served, "vllm_version": version}
+
+
+def _served_with(name, fn):
+    return lambda env: {"served_path": _served_copy(env, name, fn), "vllm_version": NEW}
+
+
+def _resolved(env_key, **data):
+    def kw(env):
+        p = env.tmp / f"resolved-{env_key}.yml"
+        p.write_text(json.dumps({"base_model": str(env.tiny_base), **data}))
+        return {"training_config": p}
+
+    return kw
+
+
+DEFAULT_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+]
+
+CASES = [
+    # -- the directory (issue 16 section 3) --
+    (
+        "adapter.unsafe_file",
+        "error",
+        ("dir", _symlink_notes),
+        {},
+        ["symlink", "notes.txt", "regular files"],
+        {},
+    ),
+    ("adapter.unsafe_file", "error", ("dir", _fifo), {}, ["FIFO", "pipe"], {}),
+    ("adapter.unsafe_file", "error", ("dir", _symlink_dir), {}, ["symlink", "base-link"], {}),
+    ("adapter.unsafe_file", "error", ("dir", _fifo_manifest), {}, ["FIFO", "manifest.json"], {}),
+    ("weights.not_file", "error", ("dir", _weights_dir), {}, ["a directory", W], {}),
+    ("weights.not_file", "error", ("dir", _weights_symlink), {}, ["symlink", W], {}),
+    ("config.missing", "error", ("dir", _config_dir), {}, ["not a regular file"], {}),
+    # -- typed config (issue 15.1, 16.3) --
+    ("config.type", "error", ("config", {"r": "eight"}), {}, ["r = 'eight'", "int"], {}),
+    ("config.type", "error", ("config", {"lora_alpha": "16"}), {}, ["lora_alpha = '16'"], {}),
+    ("config.type", "error", ("config", {"target_modules": 5}), {}, ["target_modules"], {}),
+    ("config.type", "error", ("config", {"layers_to_transform": "0"}), {}, ["layers_to_transform"], {}),
+    ("config.type", "error", ("config", {"use_rslora": "yes"}), {}, ["use_rslora"], {}),
+    (
+        "config.type",
+        "error",
+        ("config", {"target_modules": ".*_proj", "layers_to_transform": [0]}),
+        {},
+        ["cannot be used when target_modules is a regex"],
+        {},
+    ),
+    (
+        "config.regex",
+        "error",
+        ("config", {"rank_pattern": {"q_proj(": 8}}),
+        {},
+        ["q_proj(", "not a valid regex"],
+        {},
+    ),
+    ("config.regex", "error", ("config", {"alpha_pattern": {"[": 4}}), {}, ["alpha_pattern"], {}),
+    ("config.regex", "error", ("config", {"target_modules": "model.*(q_proj"}), {}, ["target_modules"], {}),
+    ("config.nonfinite", "error", ("config", {"lora_alpha": float("nan")}), {}, ["lora_alpha is nan"], {}),
+    ("config.nonfinite", "error", ("config", {"lora_alpha": float("inf")}), {}, ["lora_alpha is inf"], {}),
+    ("config.nonfinite", "error", ("config", {"r": float("nan")}), {}, ["r is nan"], {}),
+    (
+        "config.nonfinite",
+        "error",
+        ("config", {"alpha_pattern": {"q_proj": float("-inf")}}),
+        {},
+        ["alpha_pattern"],
+        {},
+    ),
+    # -- what vLLM refuses --
+    ("config.peft_type", "error", ("config", {"peft_type": "LOHA"}), {}, ["LORA", C], {}),
+    ("config.required", "error", ("config", {"lora_alpha": _DROP}), {}, ["lora_alpha", "re-save"], {}),
+    (
+        "config.rank",
+        "error",
+        ("config", {"rank_pattern": {"q_proj": 12}}),
+        {},
+        ["rank_pattern[q_proj] = 12"],
+        {},
+    ),
+    ("config.rank", "error", ("config", {"rank_pattern": {"q_proj": 32}}), {}, ["--max-lora-rank 16"], {}),
+    ("config.rank", "error", ("config", {"r": 0}), {}, ["not a positive integer"], {}),
+    ("config.dora", "error", ("config", {"use_dora": True}), {}, ["DoRA", "retrain without"], {}),
+    ("config.bias", "error", ("config", {"bias": "all"}), {}, ["bias", "'none'"], {}),
+    (
+        "config.modules_to_save",
+        "error",
+        ("config", {"modules_to_save": ["lm_head"]}),
+        {},
+        ["modules_to_save"],
+        {},
+    ),
+    (
+        "config.layer_replication",
+        "error",
+        ("config", {"layer_replication": [[0, 2]]}),
+        {},
+        ["layer_replication"],
+        {},
+    ),
+    ("config.init", "error", ("config", {"init_lora_weights": "pissa"}), {}, ["pissa", "convert"], {}),
+    ("config.init", "error", ("config", {"init_lora_weights": "loftq"}), {}, ["loftq"], {}),
+    ("config.lora_bias", "error", ("config", {"lora_bias": True}), {}, ["lora_bias"], {}),
+    ("config.alora", "error", ("config", {"alora_invocation_tokens": [1, 2]}), {}, ["aLoRA"], {}),
+    ("config.qalora", "error", ("config", {"use_qalora": True}), {}, ["QALoRA"], {}),
+    ("config.bdlora", "error", ("config", {"use_bdlora": {"nblocks": 2}}), {}, ["BD-LoRA"], {}),
+    ("config.rslora", "error", ("config", {"use_rslora": True}), {}, ["--fold-rslora", "use_rslora"], {}),
+    (
+        "config.target_parameters",
+        "error",
+        ("config", {"target_parameters": ["mlp.down_proj.weight"]}),
+        {},
+        ["target_parameters", "linear modules"],
+        {},
+    ),
+    # -- config vs tensors (issue 15.3, 15.5) --
+    (
+        "config.target_absent",
+        "error",
+        ("config", {"target_modules": DEFAULT_TARGETS + ["in_proj_qkvz"]}),
+        {},
+        ["'in_proj_qkvz' matches no module"],
+        {},
+    ),
+    (
+        "config.target_absent",
+        "error",
+        ("config", {"target_modules": DEFAULT_TARGETS + ["qkv_proj"]}),
+        {},
+        ["'qkv_proj'"],
+        {},
+    ),
+    (
+        "config.target_absent",
+        "error",
+        ("config", {"target_modules": "model\\.layers\\.\\d+\\.attn\\.c_attn"}),
+        {},
+        ["c_attn"],
+        {},
+    ),
+    (
+        "keys.not_targeted",
+        "error",
+        ("config", {"layers_to_transform": [0, 1, 2]}),
+        {},
+        ["layers 3", "PEFT would skip"],
+        {},
+    ),
+    ("keys.not_targeted", "error", ("config", {"exclude_modules": ["down_proj"]}), {}, ["mlp.down_proj"], {}),
+    (
+        "keys.not_targeted",
+        "error",
+        ("config", {"layers_to_transform": [3], "layers_pattern": "layers"}),
+        {},
+        ["layers 0-2"],
+        {},
+    ),
+    (
+        "keys.not_targeted",
+        "error",
+        ("config", {"target_modules": ".*\\.(q_proj|k_proj|v_proj|o_proj)"}),
+        {},
+        ["PEFT would skip"],
+        {},
+    ),
+    (
+        "keys.bias",
+        "error",
+        ("tensors", _add(P + "0.mlp.up_proj.lora_B.bias", (256,))),
+        {},
+        ["bias", "lora_bias"],
+        {},
+    ),
+    ("keys.bias", "error", ("tensors", _add(P + "1.mlp.down_proj.lora_A.bias", (8,))), {}, ["bias"], {}),
+    (
+        "keys.partial",
+        "error",
+        ("tensors", _drop(lambda k: ".1.mlp.up_proj." in k)),
+        {},
+        ["mlp.up_proj adapted on 3 of 4 layers", "missing on layers 1"],
+        {},
+    ),
+    ("keys.partial", "error", ("tensors", _drop(lambda k: ".2." in k)), {}, ["missing on layers 2"], {}),
+    (
+        "keys.declared_absent",
+        "error",
+        ("config", {"target_modules": DEFAULT_TARGETS + ["in_proj_b"]}),
+        {},
+        ["linear_attn.in_proj_b (layers 0-2)"],
+        {},
+    ),
+    # -- key grammar (issue 15.2) --
+    (
+        "keys.grammar",
+        "error",
+        ("tensors", _rename(".lora_A.weight", ".lora_A.default.weight")),
+        {},
+        ["lora_A.default.weight", "save_pretrained"],
+        {},
+    ),
+    (
+        "keys.grammar",
+        "error",
+        ("tensors", _rename(".lora_B.weight", ".lora_B")),
+        {},
+        ["vLLM expects lora_B.weight"],
+        {},
+    ),
+    (
+        "keys.grammar",
+        "error",
+        ("tensors", _add("base_model.model.model.embed_tokens.lora_embedding_A.weight", (8, 4))),
+        {},
+        ["lora_embedding_A.weight"],
+        {},
+    ),
+    (
+        "keys.unknown",
+        "error",
+        ("tensors", _add("base_model.model.model.norm.weight", (128,))),
+        {},
+        ["model.norm.weight", "lora_A.weight"],
+        {},
+    ),
+    (
+        "keys.pair",
+        "error",
+        ("tensors", _drop(lambda k: k == P + "1.mlp.down_proj.lora_B.weight")),
+        {},
+        ["lora_B missing", "layers.1.mlp.down_proj"],
+        {},
+    ),
+    (
+        "keys.embedding",
+        "error",
+        ("tensors", _add_pair("lm_head", (8, 128), (1024, 8))),
+        {},
+        ["lm_head", "allow_embedding_targets"],
+        {},
+    ),
+    (
+        "keys.embedding",
+        "error",
+        ("tensors", _add_pair("lm_head", (8, 128), (1024, 8))),
+        {"allow_embedding_targets": True},
+        ["no embedding LoRA", "0.19"],
+        {},
+    ),
+    (
+        "keys.mtp",
+        "error",
+        ("tensors", _add_pair("mtp.layers.0.mlp.up_proj", (8, 128), (256, 8))),
+        {},
+        ["mtp.layers.0.mlp.up_proj", "drop mtp"],
+        {},
+    ),
+    (
+        "keys.visual",
+        "error",
+        ("tensors", _add_pair("model.visual.blocks.0.attn.qkv", (8, 128), (384, 8))),
+        {},
+        ["visual.blocks.0.attn.qkv", "lora_target_modules"],
+        {},
+    ),
+    (
+        "keys.module",
+        "error",
+        ("tensors", _rename(P + "3.self_attn.q_proj", P + "0.self_attn.q_proj")),
+        {},
+        ["self_attn.q_proj does not exist on layer 0 (linear_attention)"],
+        {},
+    ),
+    (
+        "keys.module",
+        "error",
+        ("tensors", _add_pair("model.norm", (8, 128), (128, 8))),
+        {},
+        ["norm is not a decoder-layer module"],
+        {},
+    ),
+    (
+        "keys.conv1d",
+        "error",
+        ("tensors", _add_pair("model.layers.0.linear_attn.conv1d", (8, 4), (512, 8))),
+        {},
+        ["conv1d", "applies nothing"],
+        {},
+    ),
+    (
+        "keys.layer",
+        "error",
+        ("tensors", _rename(P + "2.mlp.", P + "9.mlp.")),
+        {},
+        ["layer 9 >= the base's 4 layers"],
+        {},
+    ),
+    (
+        "keys.shape",
+        "error",
+        ("tensors", _set(P + "0.mlp.up_proj.lora_A.weight", lambda v: v[:, :64].contiguous())),
+        {},
+        ["lora_A [8, 64]", "in_features 128"],
+        {},
+    ),
+    ("keys.rank", "error", ("config", {"r": 16}), {}, ["tensor rank 8 != configured r 16"], {}),
+    (
+        "keys.fleet_targets",
+        "error",
+        None,
+        {"lora_target_modules": ["q_proj", "o_proj", "gate_proj", "in_proj_qkv"]},
+        ["down_proj (layers 0-3) is outside the fleet's --lora-target-modules"],
+        {},
+    ),
+    # -- served layout and versions (issue 14) --
+    (
+        "keys.served_layout",
+        "warning",
+        None,
+        _served_vl,
+        ["Qwen3_5ForConditionalGeneration", "pipeline publish", "model.language_model.layers."],
+        {},
+    ),
+    (
+        "keys.served_layout",
+        "warning",
+        ("tensors", _rename(P + "0.", "base_model.model.model.language_model.layers.0.")),
+        _served_vl,
+        ["mixes layouts"],
+        {},
+    ),
+    (
+        "keys.mixed_layout",
+        "error",
+        (
+            "tensors",
+            lambda t: (
+                t
+                | {
+                    k.replace(P, "base_model.model.model.language_model.layers."): v.clone()
+                    for k, v in t.items()
+                    if ".0.mlp.up_proj" in k
+                }
+            ),
+        ),
+        {},
+        ["layers.0.mlp.up_proj is stored under 2 prefixes"],
+        {},
+    ),
+    (
+        "config.patterns_ignored",
+        "warning",
+        ("config", {"alpha_pattern": {"down_proj": 160}}),
+        {},
+        ["ignores rank_pattern/alpha_pattern", "down_proj", "pipeline publish"],
+        {},
+    ),
+    (
+        "serving.version_unknown",
+        "error",
+        None,
+        {"vllm_version": "0.27.0"},
+        ["0.27.0", "--allow serving.version_unknown"],
+        {},
+    ),
+    ("serving.version_unknown", "error", None, {"vllm_version": "nightly"}, ["does not parse"], {}),
+    ("serving.version_unknown", "error", None, {"vllm_version": "0.18.1"}, ["0.18.1 lies outside"], {}),
+    (
+        "serving.version_unknown",
+        "info",
+        None,
+        {"vllm_version": "0.30.0"},
+        ["allowed"],
+        {"allow": {"serving.version_unknown"}},
+    ),
+    (
+        "served.architecture",
+        "error",
+        None,
+        _served_nvfp4("0.19.2"),
+        ["Qwen3_5ForCausalLM", "would not start"],
+        {},
+    ),
+    ("served.nvfp4_gdn_scales", "warning", None, _served_nvfp4("0.19.2rc1.dev123+gabcdef"), ["#38517"], {}),
+    ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 512}, ["512", "#22782"], {}),
+    ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 64}, ["64"], {}),
+    (
+        "fleet.resolver_base",
+        "error",
+        None,
+        {"loading_mode": "resolver", "served_model": "Qwen/Qwen3.6-27B-NVFP4"},
+        ["Qwen/Qwen3.6-27B-NVFP4", "404", "pipeline publish"],
+        {},
+    ),
+    # -- values (issue 15.4, 16.3) --
+    (
+        "values.nonfinite",
+        "error",
+        ("tensors", _set(P + "2.mlp.down_proj.lora_B.weight", _nan_fill)),
+        {},
+        ["NaN/Inf", "layers.2.mlp.down_proj.lora_B", "retrain"],
+        {},
+    ),
+    ("values.untrained", "error", ("tensors", _zero("lora_B")), {}, ["every lora_B (or lora_A) is zero"], {}),
+    ("values.untrained", "error", ("tensors", _zero("lora_A")), {}, ["changes nothing"], {}),
+    ("values.untrained", "error", ("config", {"lora_alpha": 0}), {}, ["lora_alpha is 0"], {}),
+    (
+        "values.no_effect",
+        "error",
+        ("tensors", _zero("lora_B", lambda k: "0.mlp.up_proj" in k)),
+        {},
+        ["1 of 25 modules", "mlp.up_proj on layers 0"],
+        {},
+    ),
+    (
+        "values.no_effect",
+        "error",
+        ("tensors", _zero("lora_A", lambda k: "self_attn.v_proj" in k)),
+        {},
+        ["self_attn.v_proj on layers 3"],
+        {},
+    ),
+    (
+        "values.norm_outlier",
+        "warning",
+        ("tensors", _set(P + "1.mlp.up_proj.lora_B.weight", lambda v: v * 1000)),
+        {},
+        ["layers.1.mlp.up_proj", "median", "learning rate"],
+        {},
+    ),
+    (
+        "values.size_band",
+        "error",
+        ("tensors", _drop(lambda k: "q_proj" not in k)),
+        {},
+        ["implied by r, target_modules"],
+        {},
+    ),
+    # -- safetensors as the loader enforces it (issue 16.3, 15.10) --
+    (
+        "weights.header",
+        "error",
+        ("dir", lambda d, e: _rewrite_header(d, _overlap)),
+        {},
+        ["overlaps", "InvalidOffset"],
+        {},
+    ),
+    ("weights.header", "error", ("dir", lambda d, e: _rewrite_header(d, _gap)), {}, ["leaves a gap"], {}),
+    (
+        "weights.header",
+        "error",
+        ("dir", lambda d, e: _rewrite_header(d, lambda h, x: None, b"junk")),
+        {},
+        ["MetadataIncompleteBuffer"],
+        {},
+    ),
+    (
+        "weights.header",
+        "error",
+        ("dir", lambda d, e: _rewrite_header(d, _dtype("F17"))),
+        {},
+        ["unknown dtype"],
+        {},
+    ),
+    ("weights.header", "error", ("dir", lambda d, e: _rewrite_header(d, _dtype("BF16"))), {}, ["needs"], {}),
+    (
+        "weights.header",
+        "error",
+        ("dir", lambda d, e: _raw(d, lambda b: b[:8] + b" " + b[9:])),
+        {},
+        ["does not start with"],
+        {},
+    ),
+    (
+        "weights.metadata",
+        "warning",
+        ("dir", lambda d, e: edit_tensors(d, lambda t: t, metadata=None)),
+        {},
+        ["no __metadata__", "pipeline publish"],
+        {},
+    ),
+    (
+        "weights.metadata",
+        "warning",
+        ("dir", lambda d, e: edit_tensors(d, lambda t: t, metadata={"format": "tf"})),
+        {},
+        ["format 'tf'"],
+        {},
+    ),
+    (
+        "weights.dtype",
+        "error",
+        ("tensors", _set(P + "0.mlp.up_proj.lora_A.weight", lambda v: v.double())),
+        {},
+        ["F64", "0.mlp.up_proj", "bf16"],
+        {},
+    ),
+    # -- tokenizer and template (issue 15.6) --
+    (
+        "template.divergence",
+        "error",
+        ("dir", _template_only(_tool_drift)),
+        {},
+        ["tool_call", "chat_template.jinja"],
+        {},
+    ),
+    (
+        "template.divergence",
+        "error",
+        ("dir", _template_only(_genprompt_drift)),
+        {},
+        ["generation prompt", "<think>"],
+        {},
+    ),
+    (
+        "template.divergence",
+        "error",
+        ("dir", _with_tokenizer),
+        {},
+        ["chatml"],
+        _resolved("chatml", chat_template="chatml"),
+    ),
+    (
+        "template.eos_terminator",
+        "error",
+        ("dir", _eos("<|endoftext|>")),
+        {},
+        ["'<|im_end|>'", "eos_token is '<|endoftext|>'", "loops"],
+        {},
+    ),
+    (
+        "template.eos_terminator",
+        "error",
+        ("dir", _with_tokenizer),
+        _served_with("gen-eos", _gen_eos),
+        ["stops only at ids [0]", "generation_config.json"],
+        {},
+    ),
+    (
+        "template.training",
+        "error",
+        ("dir", _with_tokenizer),
+        {},
+        ["not one of axolotl's templates"],
+        _resolved("nosuch", chat_template="no_such_template"),
+    ),
+    (
+        "template.render",
+        "error",
+        ("dir", _template_only(lambda t: t.replace("message.content +", "message.content|int +", 1))),
+        {},
+        ["does not render"],
+        {},
+    ),
+    (
+        "tokenizer.served_unreadable",
+        "error",
+        ("dir", _with_tokenizer),
+        _served_with("bad-tok", _corrupt_tokenizer_json),
+        ["tokenizer.json", "cannot be loaded"],
+        {},
+    ),
+    (
+        "tokenizer.served_unreadable",
+        "error",
+        ("dir", _with_tokenizer),
+        _served_with("bad-tokcfg", _corrupt_tokenizer_config),
+        ["not valid JSON"],
+        {},
+    ),
+    ("tokenizer.unreadable", "error", ("dir", _corrupt_adapter_tokenizer), {}, ["cannot be loaded"], {}),
+    (
+        "tokenizer.added_tokens",
+        "error",
+        ("dir", _added_token),
+        {},
+        ["<my_tool>", "retrain without adding tokens"],
+        {},
+    ),
+]
+
+
+def served_missing(d):
+    (d / "chat_template.jinja").unlink()
+
+
+def _no_base_tok(d, env):
+    _with_tokenizer(d, env)
+
+
+CASES += [
+    ("template.unchecked", "info", None, {}, ["no training template"], {}),
+    ("served.unchecked", "warning", None, {"served_path": None}, ["no served checkpoint given"], {}),
+    (
+        "base.unreadable",
+        "error",
+        None,
+        {},
+        ["no config.json", "--base"],
+        {"base_dir": Path("/nonexistent-base")},
+    ),
+    ("base.missing", "error", None, {}, ["pass --base"], {"base_dir": None, "require_base": True}),
+    (
+        "config.rslora_parity",
+        "error",
+        ("config", {"use_rslora": True, "lora_alpha": 1e308}),
+        {},
+        ["fold by hand"],
+        {"fold_rslora": True},
+    ),
+]
+CASES.append(
+    (
+        "template.served_missing",
+        "error",
+        ("dir", _with_tokenizer),
+        _served_with("no-tmpl", served_missing),
+        ["no chat template"],
+        {},
+    )
+)

@@ -1,0 +1,42 @@
+"""Chat templates rendered with jinja2 + tokenizers equal transformers' `apply_chat_template`, and the training
+template resolves as axolotl resolves it (both libraries are the reference here)."""
+
+import pytest
+
+from pipeline.validate.chat import ChatTokenizer
+from pipeline.validate.template import CONVERSATIONS, resolve_axolotl_template
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_rendering_equals_transformers(tiny_base, name, generation_prompt):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_base))
+    ours = ChatTokenizer.load(tiny_base)
+    messages, tools = CONVERSATIONS[name]
+    if generation_prompt:
+        messages = messages[: max(i for i, m in enumerate(messages) if m["role"] in ("user", "tool")) + 1]
+    kw = dict(tools=tools, add_generation_prompt=generation_prompt, enable_thinking=True)
+    want = hf.apply_chat_template(messages, tokenize=False, **kw)
+    assert ours.render_ids(ours.template, messages, **kw) == list(
+        hf(want, add_special_tokens=False)["input_ids"]
+    )
+
+
+@pytest.mark.parametrize(
+    "choice", ["tokenizer_default", "chatml", "qwen3_5", "tokenizer_default_fallback_chatml"]
+)
+def test_template_resolution_equals_axolotl(tiny_base, choice):
+    from axolotl.utils.chat_templates import get_chat_template_from_config
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_base))
+    data = {"chat_template": choice, "datasets": [{"path": "x.jsonl", "type": "chat_template"}]}
+    want = get_chat_template_from_config(data, data["datasets"][0], hf)
+    assert resolve_axolotl_template(data, ChatTokenizer.load(tiny_base).template)[0] == want
+
+
+def test_special_tokens_and_eos(tiny_base):
+    tok = ChatTokenizer.load(tiny_base)
+    assert tok.special["eos_token"] == "<|im_end|>" and tok.tokenizer.token_to_id("<|im_end|>") in tok.eos_ids

@@ -1,0 +1,225 @@
+"""Publish makes the adapter serve exactly as trained on the fleet's vLLM version (issue 14 item 3, issue 15.7/15.10):
+keys renamed to the served layout, patterns folded into lora_B, safetensors metadata written, each parity-proven;
+a verdict computed against another served checkpoint / version / rule set is re-checked before publishing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.artifacts.adapter import WEIGHTS_FILE
+from pipeline.artifacts.safetensors import file_metadata, read_safetensors_header
+from pipeline.serving.versions import VL_CLASS, rules_for
+from pipeline.validate import FleetRules, validate_adapter
+from pipeline.validate.normalise import ParityError, normalise_for_serving
+from tests.support.helpers import peft_adapter, write_project_config
+from tests.validate.cases import edit_tensors
+from tests.validate.test_validate import good_adapter, only  # noqa: F401 (fixture)
+
+V19 = rules_for("0.19.2rc1.dev123+gabcdef")
+
+
+def _tensor_bytes(d: Path) -> dict[str, bytes]:
+    h = read_safetensors_header(d / WEIGHTS_FILE)
+    raw = (d / WEIGHTS_FILE).read_bytes()
+    return {n: raw[i.offset : i.offset + i.nbytes] for n, i in h.items()}
+
+
+def test_rename_to_the_served_layout_keeps_every_tensor(good_adapter, tiny_vl_base, tmp_path):  # noqa: F811
+    d = Path(shutil.copytree(good_adapter, tmp_path / "a"))
+    rules = FleetRules(served_path=tiny_vl_base, vllm_version="0.19.2")
+    before = validate_adapter(d, tiny_vl_base, rules)
+    assert only(before, "keys.served_layout").severity == "warning" and before.passed
+    old = _tensor_bytes(d)
+    rec = normalise_for_serving(d, VL_CLASS, V19)
+    new = _tensor_bytes(d)
+    assert rec["layout"]["to"] == "model.language_model.layers.N" and rec["layout"]["tensors"] == len(old)
+    for name, data in old.items():
+        assert new[name.replace("model.model.layers.", "model.model.language_model.layers.")] == data
+    after = validate_adapter(d, tiny_vl_base, rules)
+    assert after.passed and "keys.served_layout" not in {c.id for c in after.checks}, after.to_dict()[
+        "checks"
+    ]
+    assert normalise_for_serving(d, VL_CLASS, V19) == {}  # idempotent
+
+
+def test_rename_refuses_a_collision(good_adapter, tmp_path):  # noqa: F811
+    d = Path(shutil.copytree(good_adapter, tmp_path / "a"))
+    edit_tensors(
+        d,
+        lambda t: (
+            t
+            | {
+                k.replace("model.model.layers.", "model.model.language_model.layers."): v.clone()
+                for k, v in t.items()
+                if ".0.mlp.up_proj" in k
+            }
+        ),
+    )
+    with pytest.raises(ParityError, match="collide"):
+        normalise_for_serving(d, VL_CLASS, V19)
+
+
+def test_fold_patterns_serves_the_trained_deltas(tiny_base, tmp_path):
+    """rank_pattern/alpha_pattern folded into B: PEFT (patterns honoured) gives identical logits before and after,
+    and the 0.19 interpretation (global alpha/r for every module) of the folded adapter equals the trained deltas."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    src = peft_adapter(
+        tiny_base,
+        tmp_path / "src",
+        r=8,
+        alpha=16,
+        rank_pattern={"q_proj": 16},
+        alpha_pattern={"down_proj": 64, "q_proj": 8},
+    )
+    rep = validate_adapter(src, tiny_base, FleetRules(vllm_version="0.19.2"))
+    assert only(rep, "config.patterns_ignored").severity == "warning" and rep.passed
+    assert "config.patterns_ignored" not in {
+        c.id for c in validate_adapter(src, tiny_base, FleetRules(vllm_version="0.33.0")).checks
+    }
+    d = Path(shutil.copytree(src, tmp_path / "folded"))
+    rec = normalise_for_serving(d, None, V19)
+    assert set(rec) == {"patterns"} and rec["patterns"]["global_scale"] == 2.0
+    assert "config.patterns_ignored" not in {
+        c.id for c in validate_adapter(d, tiny_base, FleetRules(vllm_version="0.19.2")).checks
+    }
+
+    x = torch.tensor([[1, 5, 9, 42, 7, 3]])
+    outs = []
+    for a in (src, d):
+        m = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(tiny_base), dtype=torch.float32), str(a)
+        )
+        with torch.no_grad():
+            outs.append(m(input_ids=x).logits)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+    from safetensors.torch import load_file
+
+    old, new = load_file(str(src / WEIGHTS_FILE)), load_file(str(d / WEIGHTS_FILE))
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    for k, b in old.items():
+        if ".lora_B." in k:
+            trained = {"q_proj": 8 / 16, "down_proj": 64 / 8}.get(
+                k.split(".lora_B")[0].rsplit(".", 1)[-1], 2.0
+            )
+            assert torch.allclose(
+                new[k].float() * (cfg["lora_alpha"] / cfg["r"]), b.float() * trained, rtol=1e-6
+            )
+
+
+def test_missing_safetensors_metadata_is_written(good_adapter, tmp_path):  # noqa: F811
+    d = Path(shutil.copytree(good_adapter, tmp_path / "a"))
+    edit_tensors(d, lambda t: t, metadata=None)
+    old = _tensor_bytes(d)
+    assert file_metadata(d / WEIGHTS_FILE) is None
+    assert normalise_for_serving(d, None, V19) == {
+        "safetensors_metadata": {"before": None, "after": {"format": "pt"}}
+    }
+    assert file_metadata(d / WEIGHTS_FILE) == {"format": "pt"} and _tensor_bytes(d) == old
+
+
+# -- through publish (the registry, the volume) ----------------------------------------------------------------------
+def _project(root: Path, monkeypatch, served: Path | None, version="0.19.2"):
+    from pipeline.config import load_config
+
+    root.mkdir(parents=True, exist_ok=True)
+    sections = {"fleet": {"vllm_version": version}}
+    if served is not None:
+        sections["served"] = {"path": str(served)}
+    path = write_project_config(root, **sections)
+    monkeypatch.setenv("PIPELINE_CONFIG", str(path))
+    return load_config(path)
+
+
+def _register(cfg, tiny_base, root, name):
+    from pipeline import registry
+    from pipeline.validate import validate_with_config
+    from tests.support.registry_support import adapter_with_manifest
+
+    a = adapter_with_manifest(tiny_base, root / name, seed=1, name=name)
+    rep = validate_with_config(cfg, a, tiny_base)
+    assert rep.passed, rep.to_dict()["checks"]
+    return rep, registry.register_adapter(cfg, a, name, rep.to_dict())
+
+
+def test_publish_fixes_the_layout_of_the_demo_adapter(tmp_path, monkeypatch, tiny_base, tiny_vl_base):
+    """Issue 14 done-when: the text-layout adapter against a real-layout (VL) served checkpoint at the configured
+    fleet version no longer passes silently, and publish renames its keys with parity proven in the manifest."""
+    from pipeline.release.publish import publish
+
+    cfg = _project(tmp_path, monkeypatch, tiny_vl_base)
+    rep, reg = _register(cfg, tiny_base, tmp_path, "layout")
+    assert "keys.served_layout" in {c.id for c in rep.warnings}
+    pub = publish(cfg, "layout", version=reg.version)
+    man = json.loads((pub.path / "manifest.json").read_text())
+    assert man["normalised"]["layout"]["to"] == "model.language_model.layers.N"
+    assert all(".language_model.layers." in k for k in read_safetensors_header(pub.path / WEIGHTS_FILE))
+    again = validate_adapter(pub.path, tiny_base, FleetRules.from_config(cfg))
+    assert again.passed and "keys.served_layout" not in {c.id for c in again.checks}
+
+
+def test_publish_rechecks_a_verdict_bound_to_another_served_checkpoint(
+    tmp_path, monkeypatch, tiny_base, tiny_vl_base
+):
+    """Issue 15.7: served.path changed after validation -> publish re-validates and refuses when that fails."""
+    from pipeline.errors import CheckFailed
+    from pipeline.release.publish import publish
+
+    cfg = _project(tmp_path, monkeypatch, tiny_vl_base)
+    _, reg = _register(cfg, tiny_base, tmp_path, "bound")
+    other = Path(shutil.copytree(tiny_vl_base, tmp_path / "other-served"))
+    c = json.loads((other / "config.json").read_text())
+    c["text_config"]["hidden_size"] = 256
+    (other / "config.json").write_text(json.dumps(c))
+    cfg2 = _project(tmp_path / "p2", monkeypatch, other)
+    cfg2.registry, cfg2.state_dir, cfg2.volume = cfg.registry, cfg.state_dir, cfg.volume
+    with pytest.raises(CheckFailed) as e:
+        publish(cfg2, "bound", version=reg.version)
+    assert "config.json sha256 differs" in str(e.value) and "served.geometry" in str(e.value), str(e.value)
+    assert not list(Path(cfg.volume.path).glob("bound-v*"))
+    cfg3 = _project(
+        tmp_path / "p3", monkeypatch, tiny_vl_base, version="0.20.0"
+    )  # a version change: re-checked
+    cfg3.registry, cfg3.state_dir, cfg3.volume = cfg.registry, cfg.state_dir, cfg.volume
+    pub = publish(cfg3, "bound", version=reg.version)
+    man = json.loads((pub.path / "manifest.json").read_text())
+    assert "fleet vLLM version 0.19.2 -> 0.20.0" in man["revalidated"]["because"]
+
+
+def test_publish_refuses_an_unknown_fleet_version(tmp_path, monkeypatch, tiny_base):
+    from pipeline.errors import CheckFailed
+    from pipeline.release.publish import publish
+
+    cfg = _project(tmp_path, monkeypatch, None)
+    _, reg = _register(cfg, tiny_base, tmp_path, "ver")
+    cfg.fleet.vllm_version = "0.28.0"
+    with pytest.raises(CheckFailed, match="0.28.0 lies outside every version range"):
+        publish(cfg, "ver", version=reg.version)
+
+
+def test_binding_differences_name_what_changed():
+    from pipeline.validate.publishable import binding_differences
+
+    now = {
+        "served": {"revision": "r2", "path": "/s", "config_sha256": "a"},
+        "vllm_version": "0.19.2",
+        "rules_version": "x",
+    }
+    bound = {
+        "served": {"revision": "r1", "path": "/s", "config_sha256": "a"},
+        "vllm_version": "0.19.2",
+        "rules_version": "x",
+    }
+    assert binding_differences(bound, now) == ["served revision r1 -> r2"]
+    assert binding_differences(bound | {"rules_version": "y", "served": now["served"]}, now) == [
+        "validation rules y -> x"
+    ]
+    assert binding_differences({}, now) == ["the verdict records no binding (validated by an older pipeline)"]
+    assert binding_differences(bound | {"served": now["served"]}, now) == []
