@@ -70,7 +70,25 @@ class FleetSection(_Section):
     volume_mount: str = Field("/loras", description="where instances see the adapter volume")
     keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")
     instances: list[Instance] = Field(default_factory=list)
-    timeout_s: float = Field(30.0, description="per-request HTTP timeout, seconds")
+    timeout_s: float = Field(
+        30.0, gt=0, description="read timeout of a request (status, verify, canary), seconds"
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout per request, seconds")
+    load_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="read timeout of load/unload requests (the CPU engine can take minutes), seconds",
+    )
+    min_healthy: int | None = Field(
+        None,
+        ge=1,
+        description="publish completes when this many instances switched and the others only did not answer "
+        "(unreachable/hung); None: every instance (all-or-nothing)",
+    )
+    swap_strategy: Literal["auto", "versioned", "repoint"] = Field(
+        "auto",
+        description="how a new version replaces the old on an instance (pipeline.serving.swap); auto: by vLLM version",
+    )
     canary_prompt: str = Field(
         "Hello, the weather in Tokyo is", description="prompt of the post-switch canary"
     )

@@ -1,4 +1,4 @@
-"""`pipeline fleet status|sync|prune`: what each vLLM instance serves, reconcile, prune old versions.
+"""`pipeline fleet status|sync|resolve|prune`: what each vLLM instance serves, reconcile, prune old versions.
 
 Exit codes: 0 converged, 2 usage, 3 another fleet operation holds the lock, 4 not converged.
 """
@@ -14,6 +14,8 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import FleetError, LockedError
+from pipeline.fleet.modes import resolve_served_name
+from pipeline.fleet.reconcile import CONVERGED
 from pipeline.fleet.reconcile import status as fleet_status
 from pipeline.fleet.reconcile import sync as fleet_sync
 from pipeline.jobs.follow import follow_alias as follow
@@ -33,9 +35,12 @@ def print_reports(reports, as_json: bool = False) -> None:
 
 @app.command("status")
 def status(as_json: JsonOption = False):
-    """Per instance: what it serves against the desired state (ok, missing, stale, unknown, unreachable).
+    """Per instance: what it serves against the desired state (ok, missing, stale, unknown, hung...).
 
-    Exit 0 when every instance serves every desired version, else 4.
+    States: ok, missing, stale, extra (loaded, not desired), unknown (marked: a change got no
+    answer; `fleet sync` verifies and clears it), hung (accepts connections, no answer), unreachable,
+    mismatch (vLLM version or model differs from the config), error. Exit 0 when every instance
+    serves every desired version, else 4.
     """
     cfg = project_config()
     rows = fleet_status(cfg)
@@ -46,12 +51,19 @@ def status(as_json: JsonOption = False):
         from rich.table import Table
 
         t = Table(title=f"fleet ({cfg.fleet.loading_mode} mode, state {cfg.volume.path}/fleet-state.json)")
-        for col in ("instance", "adapter", "desired", "serving", "state", "detail"):
+        for col in ("instance", "vLLM", "adapter", "desired", "serving", "state", "detail"):
             t.add_column(col, overflow="fold")
-        colors = {"ok": "green", "missing": "yellow", "stale": "yellow", "unknown": "cyan"}
+        colors = {
+            "ok": "green",
+            "missing": "yellow",
+            "stale": "yellow",
+            "extra": "cyan",
+            "unknown": "magenta",
+        }
         for r in rows:
             t.add_row(
                 r.instance,
+                r.vllm or "-",
                 r.adapter or "-",
                 f"v{r.desired}" if r.desired else "-",
                 r.serving or "-",
@@ -59,7 +71,17 @@ def status(as_json: JsonOption = False):
                 r.detail,
             )
         Console().print(t)
-    exit_as(FleetError, any(r.state not in ("ok", "unknown") for r in rows))
+    exit_as(FleetError, any(r.state not in CONVERGED for r in rows))
+
+
+@app.command("resolve")
+def resolve(
+    name: Annotated[str, typer.Argument(help="adapter name")],
+    as_json: JsonOption = False,
+):
+    """The model id clients send for adapter NAME now (e.g. NAME-v3), from the desired state."""
+    served = resolve_served_name(project_config(), name)
+    typer.echo(json.dumps({"adapter": name, "model": served}) if as_json else served)
 
 
 @app.command("sync")

@@ -1,14 +1,38 @@
-"""Running one operation on every fleet instance at once, and the per-instance report it leaves."""
+"""Running one operation on every fleet instance at once, and the per-instance report it leaves.
+
+A report holds `pipeline.findings.Finding`s (ids below, `where` = the instance) and the actions
+taken. Finding ids of fleet operations (docs/fleet.md "Reports"):
+
+| id | severity | meaning |
+|---|---|---|
+| fleet.unreachable | error | connection refused or lost, connect timeout |
+| fleet.hung | error | accepted the connection, no answer within the timeout |
+| fleet.request_failed | error | an HTTP error status (load refused, unknown name ...) |
+| fleet.root_mismatch | error | after a load, `/v1/models` lists another path for the name |
+| fleet.canary_no_effect | error | greedy output through the adapter equals the base's |
+| fleet.version_mismatch | error | `GET /version` differs from `fleet.vllm_version` |
+| fleet.model_mismatch | error | the base card differs from `served.model` / `served.served_model_name` |
+| fleet.volume_missing | error | a desired version's directory is not on the volume |
+| fleet.restore_failed | error | undoing a failed rollout failed on this instance |
+| fleet.refused | error | the operation refused this instance (e.g. prune: still serves a version) |
+| fleet.behind | warning | publish completed without this instance (`fleet.min_healthy`) |
+| fleet.unknown | warning | a change was sent and not answered: what it serves is unknown |
+| fleet.cleanup_failed | warning | unloading an old version name failed |
+| fleet.swap | info/warning | the swap strategy in use and why |
+"""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from pipeline.artifacts.volume import version_name
 from pipeline.config import Instance, ProjectConfig
 from pipeline.errors import FleetError, UsageError
-from pipeline.fleet.client import InstanceClient, InstanceError
+from pipeline.findings import Finding
+from pipeline.fleet.client import Hung, InstanceClient, InstanceError, Timeouts, Unreachable
+
+NO_ANSWER = ("fleet.unreachable", "fleet.hung")
 
 
 def instance_path(cfg: ProjectConfig, name: str, version: int) -> str:
@@ -24,53 +48,141 @@ class InstanceReport:
     url: str
     ok: bool = False
     actions: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     restored: bool = False  # a failed rollout put this instance back as it was
+    unknown: bool = False  # a change was sent without an answer: what it serves is unknown
+    vllm_version: str | None = None  # as `GET /version` reported it
     # rollout bookkeeping for the undo: adapters as they were, names this rollout changed
     before: dict[str, str | None] = field(default_factory=dict, repr=False)
     touched: list[str] = field(default_factory=list, repr=False)
 
+    def add(self, id: str, severity: str, message: str) -> Finding:
+        f = Finding(id, severity, message, self.instance)
+        self.findings.append(f)
+        return f
+
+    def error(self, id: str, message: str) -> Finding:
+        return self.add(id, "error", message)
+
+    def warn(self, id: str, message: str) -> Finding:
+        return self.add(id, "warning", message)
+
+    def fail(self, e: InstanceError | FleetError) -> None:
+        """Record an exception that ended this instance's part of the operation."""
+        if isinstance(e, InstanceError):
+            self.unknown = self.unknown or e.outcome_unknown
+            check = getattr(e, "check", None) or (
+                "fleet.hung"
+                if isinstance(e, Hung)
+                else ("fleet.unreachable" if isinstance(e, Unreachable) else "fleet.request_failed")
+            )
+        else:
+            check = "fleet.refused"
+        self.error(check, str(e))
+
+    @property
+    def errors(self) -> list[str]:
+        return [f.message for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f.message for f in self.findings if f.severity == "warning"]
+
+    @property
+    def hung(self) -> bool:
+        return any(f.id == "fleet.hung" for f in self.findings)
+
+    @property
+    def answered(self) -> bool:
+        """False when the instance's only errors are that it did not answer (down or hung)."""
+        errs = [f for f in self.findings if f.severity == "error"]
+        return not errs or any(f.id not in NO_ANSWER for f in errs)
+
+    @property
+    def outcome(self) -> str:
+        if self.ok:
+            return "ok, behind" if any(f.id == "fleet.behind" for f in self.findings) else "ok"
+        if self.restored:
+            return "switched, then restored"
+        if self.hung:
+            return "HUNG (serving unknown)" if self.unknown else "HUNG"
+        if not self.answered:
+            return "UNREACHABLE (serving unknown)" if self.unknown else "UNREACHABLE"
+        return "FAILED (serving unknown)" if self.unknown else "FAILED"
+
     def line(self) -> str:
-        what = "FAILED" if not self.ok else ("switched, then restored" if self.restored else "ok")
-        head = f"{self.instance} ({self.url}): {what}"
+        head = f"{self.instance} ({self.url}): {self.outcome}"
+        if self.vllm_version:
+            head += f" [vLLM {self.vllm_version}]"
         parts = [head] + [f"    {a}" for a in self.actions]
-        parts += [f"    error: {e}" for e in self.errors] + [f"    warning: {w}" for w in self.warnings]
+        parts += [f"    {f.severity}: {f.message} [{f.id}]" for f in self.findings if f.severity != "info"]
         return "\n".join(parts)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("before")
-        d.pop("touched")
-        return d
+        return {
+            "instance": self.instance,
+            "url": self.url,
+            "ok": self.ok,
+            "outcome": self.outcome,
+            "actions": self.actions,
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "findings": [f.to_dict() for f in self.findings],
+            "restored": self.restored,
+            "unknown": self.unknown,
+            "vllm_version": self.vllm_version,
+        }
 
 
-def each_instance(cfg: ProjectConfig, fn) -> list[InstanceReport]:
-    """Run `fn(client, report)` on every instance concurrently; exceptions land in the report."""
+def client_for(cfg: ProjectConfig, inst: Instance) -> InstanceClient:
+    return InstanceClient(inst, Timeouts.of(cfg.fleet))
+
+
+def each_instance(cfg: ProjectConfig, fn, only: list[str] | None = None) -> list[InstanceReport]:
+    """Run `fn(client, report)` on every instance (or those named in `only`) concurrently.
+
+    Exceptions (`InstanceError`, `FleetError`) land in the report as findings; `ok` is set when
+    `fn` returned with no error finding.
+    """
 
     def one(inst: Instance) -> InstanceReport:
         rep = InstanceReport(inst.name, inst.url)
         try:
-            with InstanceClient(inst, cfg.fleet.timeout_s) as client:
+            with client_for(cfg, inst) as client:
                 fn(client, rep)
-                rep.ok = not rep.errors
         except (InstanceError, FleetError) as e:
-            rep.errors.append(str(e))
+            rep.fail(e)
+        rep.ok = not rep.errors
         return rep
 
-    insts = cfg.fleet.instances
-    if not insts:
+    insts = [i for i in cfg.fleet.instances if only is None or i.name in only]
+    if not cfg.fleet.instances:
         raise UsageError("no fleet instances configured (fleet.instances in pipeline.yaml)")
     # Missing API keys are usage errors for the whole command: check before touching anything.
     for inst in insts:
-        InstanceClient(inst, cfg.fleet.timeout_s).close()
+        client_for(cfg, inst).close()
+    if not insts:
+        return []
     with ThreadPoolExecutor(max_workers=len(insts)) as pool:
         return list(pool.map(one, insts))
 
 
-# -- rollout (publish) ---------------------------------------------------------------------------
+def operator_hint(reports: list[InstanceReport]) -> str:
+    """What to run next for instances that did not answer or whose serving is unknown ('' if none)."""
+    lagging = [r.instance for r in reports if r.unknown or not r.answered]
+    if not lagging:
+        return ""
+    return (
+        f"\nnext: `pipeline fleet status` shows {', '.join(lagging)} as hung/unreachable/unknown; once it "
+        f"answers again (or after a restart) run `pipeline fleet sync`: it loads the desired versions, "
+        f"verifies them and clears the mark"
+    )
+
+
 def failure(title: str, reports: list[InstanceReport]) -> FleetError:
     bad = sum(not r.ok for r in reports)
     return FleetError(
-        f"{title}: failed on {bad} of {len(reports)} instance(s)\n" + "\n".join(r.line() for r in reports)
+        f"{title}: failed on {bad} of {len(reports)} instance(s)\n"
+        + "\n".join(r.line() for r in reports)
+        + operator_hint(reports)
     )

@@ -1,4 +1,17 @@
-"""Reconcile: bring every instance to the desired state (`sync`), and read what each serves (`status`)."""
+"""Reconcile: bring every instance to the desired state (`sync`), and read what each serves (`status`).
+
+`sync` asks each instance what it runs (`GET /version`, base model: an instance that differs from
+the config is reported and left alone), then per desired adapter runs the loading mode's
+`switch` (no request that changes anything when the instance already serves it) and unloads
+version names no longer kept. It clears an instance's "unknown" mark in the desired-state
+record once the instance answered and serves every desired version, and marks instances whose
+serving became unknown (a change sent, no answer).
+
+`status` is read-only and takes no lock. Row states:
+ok | missing | stale | extra (loaded, not desired) | unknown (marked in the desired-state record:
+run `fleet sync`) | hung (accepts connections, no answer) | unreachable | mismatch (vLLM version
+or model differs from the config) | error.
+"""
 
 from __future__ import annotations
 
@@ -8,47 +21,64 @@ from pathlib import Path
 
 from pipeline.artifacts.volume import VERSION_RE, version_name
 from pipeline.config import ProjectConfig
-from pipeline.fleet.client import InstanceClient, InstanceError, Unreachable
+from pipeline.fleet.client import Hung, InstanceClient, InstanceError, Unreachable
 from pipeline.fleet.instances import InstanceReport, each_instance, instance_path
-from pipeline.fleet.rollout import point, probe_resolver, unload_old
-from pipeline.fleet.state import FleetState, fleet_lock, load_state
+from pipeline.fleet.modes import LoadingMode, loaded_versions, loading_mode
+from pipeline.fleet.preflight import check_served
+from pipeline.fleet.rollout import kept_versions
+from pipeline.fleet.state import FleetState, fleet_lock, load_state, save_state
 
 
 # -- sync ----------------------------------------------------------------------------------------
-def _reconcile(client: InstanceClient, cfg: ProjectConfig, state: FleetState, rep: InstanceReport) -> None:
-    client.adapters()  # Unreachable first: that is the instance's state, whatever the volume holds
+def _reconcile(
+    client: InstanceClient, cfg: ProjectConfig, mode: LoadingMode, state: FleetState, rep: InstanceReport
+) -> None:
+    if not check_served(cfg, client, rep):  # Unreachable/Hung first: that is the instance's state
+        return
     for name, entry in sorted(state.adapters.items()):
         version = int(entry["version"])
         if not (Path(cfg.volume.path) / version_name(name, version)).is_dir():
-            rep.errors.append(
+            rep.error(
+                "fleet.volume_missing",
                 f"{name} v{version}: {cfg.volume.path}/{version_name(name, version)} is missing "
-                f"(pruned?): publish it again or roll back"
+                f"(pruned?): publish it again or roll back",
             )
             continue
         try:
-            if cfg.fleet.loading_mode == "resolver":
-                probe_resolver(client, cfg, rep, name, version)
-                continue
-            point(client, cfg, rep, name, version, client.adapters())
-            unload_old(client, cfg, rep, name, version)
+            mode.switch(client, rep, name, version)
+            mode.cleanup(client, rep, name, kept_versions(state, name, cfg.fleet.keep_versions))
         except Unreachable:
             raise
         except InstanceError as e:
-            rep.errors.append(f"{name} v{version}: {e}")
+            rep.unknown = rep.unknown or e.outcome_unknown
+            rep.error(e.check or "fleet.request_failed", f"{name} v{version}: {e}")
 
 
 def sync_locked(cfg: ProjectConfig) -> list[InstanceReport]:
-    """`sync` for a caller already holding the fleet lock."""
+    """`sync` for a caller already holding the fleet lock; updates the instances' marks."""
     state = load_state(cfg.volume.path)
-    return each_instance(cfg, lambda c, r: _reconcile(c, cfg, state, r))
+    mode = loading_mode(cfg)
+    reports = each_instance(cfg, lambda c, r: _reconcile(c, cfg, mode, state, r))
+    changed = False
+    for r in reports:
+        if r.ok and state.clear_mark(r.instance):
+            r.actions.append("cleared the 'unknown' mark in the desired-state record (verified)")
+            changed = True
+        elif r.unknown:
+            state.mark_unknown(
+                r.instance, f"fleet sync: a change got no answer and may still apply: {r.errors[0]}"
+            )
+            changed = True
+    if changed:
+        save_state(cfg.volume.path, state)
+    return reports
 
 
 def sync(cfg: ProjectConfig) -> list[InstanceReport]:
-    """Bring every reachable instance to the desired state; idempotent (no request when in sync).
+    """Bring every instance that answers to the desired state; idempotent (no load when in sync).
 
-
-    Returns one report per instance (`ok` False: unreachable or an adapter failed to load or
-    verify). Raises LockedError when another fleet operation holds the lock.
+    Returns one report per instance (`ok` False: unreachable, hung, another vLLM/model, or an
+    adapter failed to load or verify). Raises LockedError when another fleet operation holds the lock.
     """
     with fleet_lock(cfg.volume.path, cfg.fleet.lock_timeout_s):
         return sync_locked(cfg)
@@ -57,7 +87,7 @@ def sync(cfg: ProjectConfig) -> list[InstanceReport]:
 # -- status --------------------------------------------------------------------------------------
 @dataclass
 class StatusRow:
-    """One instance x adapter: state is ok | missing | stale | unknown | unreachable | error."""
+    """One instance x adapter (or one row for the instance: adapter None). States: module doc."""
 
     instance: str
     adapter: str | None
@@ -65,6 +95,7 @@ class StatusRow:
     serving: str | None  # the version (as "vN") or the raw root path the instance serves
     state: str
     detail: str = ""
+    vllm: str | None = None  # what `GET /version` reported
 
 
 def _served_version(root: str | None) -> str | None:
@@ -74,39 +105,64 @@ def _served_version(root: str | None) -> str | None:
     return f"v{m['version']}" if m else root
 
 
+def _mark_detail(state: FleetState, instance: str) -> str:
+    mark = state.instances.get(instance)
+    return f"marked unknown since {mark.get('since')}: {mark.get('reason')}" if mark else ""
+
+
 def status(cfg: ProjectConfig) -> list[StatusRow]:
     """What each instance serves against the desired state (read-only, no lock)."""
     state = load_state(cfg.volume.path)
+    mode = loading_mode(cfg)
     rows: list[StatusRow] = []
 
     def one(client: InstanceClient, rep: InstanceReport) -> None:
+        mark = _mark_detail(state, client.name)
         try:
+            matches = check_served(cfg, client, rep)
             loaded = client.adapters()
-        except Unreachable as e:
-            rows.append(StatusRow(client.name, None, None, None, "unreachable", str(e)))
+        except Hung as e:
+            rows.append(
+                StatusRow(client.name, None, None, None, "hung", "; ".join(filter(None, [str(e), mark])))
+            )
             return
+        except Unreachable as e:
+            rows.append(
+                StatusRow(
+                    client.name, None, None, None, "unreachable", "; ".join(filter(None, [str(e), mark]))
+                )
+            )
+            return
+        v = rep.vllm_version
+        if not matches:
+            rows.append(StatusRow(client.name, None, None, None, "mismatch", "; ".join(rep.errors), v))
+        if mark:
+            rows.append(
+                StatusRow(client.name, None, None, None, "unknown", f"{mark}; run `pipeline fleet sync`", v)
+            )
         known = set()
         for name, entry in sorted(state.adapters.items()):
-            v = int(entry["version"])
-            target = instance_path(cfg, name, v)
-            served_name = version_name(name, v) if cfg.fleet.loading_mode == "resolver" else name
-            known |= {name} | {n for n in loaded if (m := VERSION_RE.match(n)) and m["name"] == name}
+            want = int(entry["version"])
+            target = instance_path(cfg, name, want)
+            served_name = mode.served_name(name, want)
+            known |= {served_name} | set(loaded_versions(loaded, name).values())
             root = loaded.get(served_name)
             st = "missing" if root is None else ("ok" if root == target else "stale")
-            detail = (
-                "resolver loads it on first request (fleet sync warms it)"
-                if (st == "missing" and cfg.fleet.loading_mode == "resolver")
-                else ""
-            )
-            rows.append(StatusRow(client.name, name, v, _served_version(root), st, detail))
+            detail = f"clients request {served_name!r}"
+            if st == "missing" and mode.name == "resolver":
+                detail += "; the resolver loads it on first request (fleet sync warms it)"
+            rows.append(StatusRow(client.name, name, want, _served_version(root), st, detail, v))
         for n in sorted(set(loaded) - known):
             rows.append(
-                StatusRow(client.name, n, None, _served_version(loaded[n]), "unknown", "not in desired state")
+                StatusRow(client.name, n, None, _served_version(loaded[n]), "extra", "loaded, not desired", v)
             )
 
     reports = each_instance(cfg, one)
     for r in reports:
-        if r.errors:
-            rows.append(StatusRow(r.instance, None, None, None, "error", "; ".join(r.errors)))
+        if r.errors and not any(row.instance == r.instance for row in rows):
+            rows.append(StatusRow(r.instance, None, None, None, "error", "; ".join(r.errors), r.vllm_version))
     order = {i.name: k for k, i in enumerate(cfg.fleet.instances)}
     return sorted(rows, key=lambda r: (order.get(r.instance, 0), r.adapter or ""))
+
+
+CONVERGED = ("ok", "extra")

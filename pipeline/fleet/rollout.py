@@ -1,208 +1,148 @@
-"""Make every fleet instance serve the desired adapter versions: rollout, sync, status, rollback, prune.
+"""Publish's fleet step: every instance serves the new adapter version, or every instance is put back.
 
-Protocol per instance in `api` loading mode (vLLM facts in docs/vllm.md):
-1. load the version name `<NAME>-v<N>` from `<volume_mount>/<NAME>-v<N>` (absolute, instance-side);
-2. point the stable name `<NAME>` at that path with `load_inplace` (plain load the first time).
-   The path is new, and vLLM keys prefix-cache blocks on (lora name, lora path), so no KV
-   computed with the old weights is reused; in-flight requests keep running;
-3. verify: `/v1/models` lists `<NAME>` with `root` = the new path;
-4. canary: a greedy completion through `<NAME>` differs from the base's.
-All instances run concurrently (one thread each). A rollout that fails anywhere restores the
-stable name (and unloads the new version name) on every instance it touched, then raises
-`FleetError`; the desired state (`pipeline.fleet.state`) changes only after every instance
-confirmed. Version names beyond `fleet.keep_versions` are then unloaded (directories stay on
-the volume for rollback until `pipeline fleet prune`).
-
-In `resolver` mode (vLLM's lora_filesystem_resolver over the volume) nothing is loaded through
-the API: clients request `<NAME>-v<N>`; the rollout checks the resolver's layout rules and that
-each instance answers for the version name with output differing from the base.
-
-Whole operations hold the volume's fleet lock so that a `fleet sync --watch` sidecar never
-reverts an instance mid-publish.
+`rollout(cfg, name, version, path)`, all instances concurrently (one thread each):
+1. `mode.prepare`: the loading mode's checks on the volume directory (resolver layout rules);
+2. preflight (`pipeline.fleet.preflight`): every instance's `GET /version` and base model must
+   match the config, and enough instances must answer (`fleet.min_healthy`, default all);
+   otherwise exit 4 and nothing was changed;
+3. switch (`LoadingMode.switch`): api mode loads `<NAME>-v<N>` from `<volume_mount>/<NAME>-v<N>`
+   (and re-points `<NAME>` in place under the `repoint` swap strategy), verifies `/v1/models`,
+   and runs the canary (greedy output differs from the base's); resolver mode probes the version name;
+4. decide: the rollout stands when no instance refused the version and at least
+   `fleet.min_healthy` (default: every instance) confirmed it; instances that only did not answer
+   (unreachable, hung) are then marked in the desired-state record and `fleet sync` brings them
+   along. Otherwise every instance the switch touched and that answers is put back, instances
+   whose serving became unknown (a load sent, no answer: a hung instance may apply it when it
+   resumes) are marked, and `FleetError` says what to run;
+5. desired state `name -> version` (`pipeline.fleet.state`), then old version names beyond
+   `fleet.keep_versions` (by desired history) are unloaded.
+Every request is bounded (`fleet.connect_timeout_s`, `timeout_s`, `load_timeout_s`). The whole
+operation holds the volume's fleet lock so that a `fleet sync --watch` sidecar never reverts an
+instance mid-publish.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline.artifacts.volume import VERSION_RE, version_name
 from pipeline.config import ProjectConfig
-from pipeline.errors import FleetError
 from pipeline.fleet.client import InstanceClient, InstanceError
-from pipeline.fleet.instances import InstanceReport, each_instance, failure, instance_path
-from pipeline.fleet.state import fleet_lock, load_state, save_state
+from pipeline.fleet.instances import InstanceReport, client_for, each_instance, failure
+from pipeline.fleet.modes import LoadingMode, loading_mode
+from pipeline.fleet.preflight import check_served, needed, preflight
+from pipeline.fleet.state import FleetState, fleet_lock, load_state, save_state
 
 
-def _canary(client: InstanceClient, cfg: ProjectConfig, model: str) -> None:
-    """Raise InstanceError unless `model`'s greedy output differs from the base's."""
-    prompt, n = cfg.fleet.canary_prompt, cfg.fleet.canary_max_tokens
-    base = client.complete(cfg.served_base_name, prompt, n)
-    out = client.complete(model, prompt, n)
-    if out == base:
-        raise InstanceError(
-            f"{client.name}: canary: greedy output of {model!r} equals the base's ({out!r}) for "
-            f"fleet.canary_prompt: the adapter has no effect there (all-zero lora_B? modules outside "
-            f"--lora-target-modules?)"
-        )
+def kept_versions(state: FleetState, name: str, keep: int) -> set[int]:
+    """The desired version and the `keep - 1` versions desired before it (by desired history)."""
+    entry = state.adapters.get(name) or {}
+    hist = [int(v) for v in entry.get("history", [])]
+    cur = state.version(name)
+    kept = [v for v in hist if v != cur][-(keep - 1) :] if keep > 1 else []
+    return set(kept) | ({cur} if cur is not None else set())
 
 
-def point(
-    client: InstanceClient,
-    cfg: ProjectConfig,
-    rep: InstanceReport,
-    name: str,
-    version: int,
-    current: dict[str, str | None],
-) -> bool:
-    """Make the version name and then the stable name serve `version`; returns True if anything changed."""
-    target = instance_path(cfg, name, version)
-    changed = False
-    for n in (version_name(name, version), name):
-        if current.get(n) == target:
-            continue
-        inplace = n in current
-        rep.touched.append(n)
-        client.load(n, target, inplace=inplace)
-        rep.actions.append(f"{'re-pointed' if inplace else 'loaded'} {n} -> {target}")
-        changed = True
-    served = client.adapters().get(name)
-    if served != target:
-        raise InstanceError(
-            f"{client.name}: /v1/models lists {name} with root {served!r}, expected {target!r}"
-        )
-    if changed:
-        _canary(client, cfg, name)
-        rep.actions.append(f"verified {name} (root {target}, canary differs from base)")
-    return changed
+def _undo_all(cfg: ProjectConfig, mode: LoadingMode, reports: list[InstanceReport]) -> None:
+    """Put back every instance the switch touched and that still answers (concurrently)."""
+    by_name = {i.name: i for i in cfg.fleet.instances}
+    todo = [r for r in reports if r.touched and r.answered]
 
-
-def unload_old(
-    client: InstanceClient, cfg: ProjectConfig, rep: InstanceReport, name: str, current: int
-) -> None:
-    """Unload version names of `name` beyond `fleet.keep_versions`, never the one being served."""
-    loaded = client.adapters()
-    versions = {}
-    for n in loaded:
-        m = VERSION_RE.match(n)
-        if m and m["name"] == name:
-            versions[int(m["version"])] = n
-    others = sorted((v for v in versions if v != current), reverse=True)
-    for v in others[cfg.fleet.keep_versions - 1 :]:
+    def undo(rep: InstanceReport) -> None:
         try:
-            client.unload(versions[v])
-            rep.actions.append(f"unloaded {versions[v]} (beyond keep_versions={cfg.fleet.keep_versions})")
+            with client_for(cfg, by_name[rep.instance]) as client:
+                n_errors = len(rep.errors)
+                mode.undo(client, rep)
+                rep.restored = len(rep.errors) == n_errors
         except InstanceError as e:
-            rep.warnings.append(str(e))
+            rep.unknown = rep.unknown or e.outcome_unknown
+            rep.error("fleet.restore_failed", f"restore failed: {e}")
+
+    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+        list(pool.map(undo, todo))
 
 
-def _undo(client: InstanceClient, rep: InstanceReport) -> None:
-    """Put the names this rollout changed back as they were (stable name first)."""
-    for n in reversed(rep.touched):
-        try:
-            if rep.before.get(n):
-                client.load(n, rep.before[n], inplace=True)
-                rep.actions.append(f"restored {n} -> {rep.before[n]}")
-            else:
-                client.unload(n)
-                rep.actions.append(f"unloaded {n}")
-        except InstanceError as e:
-            rep.errors.append(f"restore of {n} failed: {e}")
+def switch_all(cfg: ProjectConfig, mode: LoadingMode, name: str, version: int) -> list[InstanceReport]:
+    """Steps 2-4 of the module doc: preflight, switch, decide, undo. Call while holding the fleet lock.
 
-
-# -- resolver mode -----------------------------------------------------------------------------
-def resolver_layout_problems(cfg: ProjectConfig, name: str, version: int, path: Path) -> list[str]:
-    """The lora_filesystem_resolver's rules for `<volume>/<NAME>-v<N>` (vllm/plugins/lora_resolvers).
-
-    Directory name = requested model id; `adapter_config.json` has `peft_type: LORA` and
-    `base_model_name_or_path` exactly the `vllm serve` model string; nothing leaves the root.
+    Returns the reports when the rollout stands (some may be behind under `fleet.min_healthy`).
+    Raises FleetError (exit 4) after putting every answering instance back; instances whose
+    serving is unknown are marked in the desired-state record.
     """
-    problems = []
-    path = Path(path)
-    root = os.path.realpath(cfg.volume.path)
-    if path.name != version_name(name, version):
-        problems.append(f"{path}: directory name must be the model id {version_name(name, version)!r}")
-    for p in [path, *path.rglob("*")]:
-        real = os.path.realpath(p)
-        if os.path.commonpath([root, real]) != root:
-            problems.append(f"{p}: real path {real} leaves the volume root {root} (the resolver refuses it)")
-    try:
-        acfg = json.loads((path / "adapter_config.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError) as e:
-        return problems + [f"{path}/adapter_config.json: unreadable ({e})"]
-    if acfg.get("peft_type") != "LORA":
-        problems.append(
-            f"{path}/adapter_config.json: peft_type is {acfg.get('peft_type')!r}, the resolver needs 'LORA'"
-        )
-    if acfg.get("base_model_name_or_path") != cfg.served.model:
-        problems.append(
-            f"{path}/adapter_config.json: base_model_name_or_path is {acfg.get('base_model_name_or_path')!r}, "
-            f"the resolver needs the exact `vllm serve` model string served.model={cfg.served.model!r}"
-        )
-    return problems
+    checked = preflight(cfg)
+    answering = [r.instance for r in checked if r.ok]
 
+    def switch(client: InstanceClient, rep: InstanceReport) -> None:
+        # The version may have changed since the preflight: what the instance runs is part of the switch.
+        if check_served(cfg, client, rep):
+            mode.switch(client, rep, name, version)
 
-def probe_resolver(client: InstanceClient, cfg: ProjectConfig, rep: InstanceReport, name: str, version: int):
-    _canary(client, cfg, version_name(name, version))
-    rep.actions.append(f"resolved {version_name(name, version)} (canary differs from base)")
+    reports = {r.instance: r for r in checked}
+    reports.update({r.instance: r for r in each_instance(cfg, switch, only=answering)})
+    reports = [reports[i.name] for i in cfg.fleet.instances]
+    confirmed = [r for r in reports if r.ok]
+    refused = [r for r in reports if not r.ok and r.answered]
+    state = load_state(cfg.volume.path)
+    if not refused and len(confirmed) >= needed(cfg):
+        for r in reports:
+            if not r.ok:
+                r.warn(
+                    "fleet.behind",
+                    f"{name} v{version} published without this instance (fleet.min_healthy="
+                    f"{cfg.fleet.min_healthy}); it serves an older version, or v{version} if a pending "
+                    f"load lands when it resumes: run `pipeline fleet sync` once it answers",
+                )
+                state.mark_unknown(
+                    r.instance, f"publish of {name} v{version} completed without it: {r.errors[0]}"
+                )
+        if any(not r.ok for r in reports):
+            save_state(cfg.volume.path, state)
+        return reports
+    _undo_all(cfg, mode, reports)
+    marked = [r for r in reports if r.unknown]
+    for r in marked:
+        state.mark_unknown(
+            r.instance,
+            f"publish of {name} v{version} was undone, but a change sent to this instance got no answer and "
+            f"may still apply: {r.errors[0]}",
+        )
+    if marked:
+        save_state(cfg.volume.path, state)
+    raise failure(
+        f"rollout of {name} v{version} undone (instances put back, desired state and aliases unchanged)",
+        reports,
+    )
 
 
 def rollout(cfg: ProjectConfig, name: str, version: int, path: Path) -> list[InstanceReport]:
-    """Make every instance serve `<volume>/<NAME>-v<N>` (`path`) as `name`, then record it as desired.
+    """Make every instance serve `<volume>/<NAME>-v<N>` (`path`), then record it as desired.
 
-    Returns one report per instance. Raises:
-        FleetError (exit 4): an instance failed (unreachable, load refused, wrong root, canary equal
-            to base); every instance is restored to what it served before, and the desired state
-            is unchanged. The message holds the per-instance report.
+    Returns one report per instance (under `fleet.min_healthy`, instances that did not answer are
+    reported `ok=False` with a `fleet.behind` warning). Raises:
+        FleetError (exit 4): an instance runs another vLLM version or model (nothing changed); too
+            few instances answer (nothing changed); an instance refused the version (load error,
+            wrong root, canary equal to base) or did not answer while all must confirm: every
+            answering instance is put back, the desired state is unchanged, instances whose serving
+            is unknown are marked; the message holds the per-instance report and what to run.
         LockedError (exit 3): another fleet operation holds the lock past `fleet.lock_timeout_s`.
-        UsageError: no instances configured, an API key variable unset.
+        UsageError: no instances configured, an API key variable unset, an unsafe swap strategy.
     """
+    mode = loading_mode(cfg)
+    mode.prepare(name, version, path)
     with fleet_lock(cfg.volume.path, cfg.fleet.lock_timeout_s):
-        if cfg.fleet.loading_mode == "resolver":
-            problems = resolver_layout_problems(cfg, name, version, path)
-            if problems:
-                raise FleetError(
-                    f"{path}: not servable by vLLM's filesystem resolver:\n  " + "\n  ".join(problems)
-                )
-            reports = each_instance(cfg, lambda c, r: probe_resolver(c, cfg, r, name, version))
-            if not all(r.ok for r in reports):
-                raise failure(
-                    f"rollout of {name} v{version} (resolver mode; desired state unchanged)", reports
-                )
-        else:
-
-            def switch(client: InstanceClient, rep: InstanceReport) -> None:
-                rep.before = client.adapters()
-                point(client, cfg, rep, name, version, dict(rep.before))
-
-            reports = each_instance(cfg, switch)
-            if not all(r.ok for r in reports):
-                restore = [r for r in reports if r.touched]
-                by_name = {i.name: i for i in cfg.fleet.instances}
-
-                def undo(rep: InstanceReport) -> None:
-                    try:
-                        with InstanceClient(by_name[rep.instance], cfg.fleet.timeout_s) as client:
-                            n_errors = len(rep.errors)
-                            _undo(client, rep)
-                            rep.restored = len(rep.errors) == n_errors
-                    except InstanceError as e:
-                        rep.errors.append(f"restore failed: {e}")
-
-                with ThreadPoolExecutor(max_workers=max(1, len(restore))) as pool:
-                    list(pool.map(undo, restore))
-                raise failure(
-                    f"rollout of {name} v{version} undone (stable name restored, desired state and aliases unchanged)",
-                    reports,
-                )
+        reports = switch_all(cfg, mode, name, version)
+        for r in reports:
+            for w in mode.warnings:
+                r.warn("fleet.swap", w)
         state = load_state(cfg.volume.path)
         state.set(name, version)
         save_state(cfg.volume.path, state)
-        if cfg.fleet.loading_mode == "api":
-            cleanup = each_instance(cfg, lambda c, r: unload_old(c, cfg, r, name, version))
-            for rep, extra in zip(reports, cleanup, strict=True):  # best effort: warnings, not failures
-                rep.actions += extra.actions
-                rep.warnings += extra.warnings + extra.errors
+        keep = kept_versions(state, name, cfg.fleet.keep_versions)
+        answering = [r.instance for r in reports if r.ok]
+        cleanup = each_instance(cfg, lambda c, r: mode.cleanup(c, r, name, keep), only=answering)
+        by_name = {r.instance: r for r in reports}
+        for extra in cleanup:  # best effort: warnings, not failures
+            by_name[extra.instance].actions += extra.actions
+            for f in extra.findings:
+                by_name[extra.instance].warn("fleet.cleanup_failed", f.message)
     return reports

@@ -7,9 +7,12 @@ also serialises whole fleet operations: a `fleet sync --watch` must never revert
 in the middle of a publish that has switched it but not yet recorded the new version.
 
 Format (schema 1):
-    {"schema": 1, "adapters": {"NAME": {"version": 2, "updated": "<UTC ISO time>", "history": [1, 2]}}}
+    {"schema": 1, "adapters": {"NAME": {"version": 2, "updated": "<UTC ISO time>", "history": [1, 2]}},
+     "instances": {"vllm-1": {"state": "unknown", "since": "<UTC ISO time>", "reason": "..."}}}
 `history` lists versions in the order they became desired (rollback's default target is the
-entry before the last).
+entry before the last). `instances` (optional) marks instances whose serving is unknown: a
+change was sent and no answer came (a hung instance may still apply it when it resumes);
+`fleet sync` clears a mark once the instance answers and serves the desired state.
 
 Errors: `UsageError` for a file that is not valid JSON or not this schema (names the file);
 `LockedError` (exit 3) when another fleet operation holds the lock past the timeout.
@@ -35,6 +38,16 @@ HISTORY_MAX = 50
 @dataclass
 class FleetState:
     adapters: dict[str, dict] = field(default_factory=dict)
+    instances: dict[str, dict] = field(default_factory=dict)  # instance name -> mark (see module doc)
+
+    def mark_unknown(self, instance: str, reason: str) -> None:
+        """Record that what `instance` serves is unknown (kept until `fleet sync` verifies it)."""
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        self.instances[instance] = {"state": "unknown", "since": now, "reason": reason}
+
+    def clear_mark(self, instance: str) -> bool:
+        """Drop `instance`'s mark; True when there was one."""
+        return self.instances.pop(instance, None) is not None
 
     def version(self, name: str) -> int | None:
         entry = self.adapters.get(name)
@@ -54,7 +67,10 @@ class FleetState:
         return int(hist[-2]) if len(hist) >= 2 else None
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "adapters": self.adapters}
+        d = {"schema": SCHEMA, "adapters": self.adapters}
+        if self.instances:
+            d["instances"] = self.instances
+        return d
 
 
 def state_path(volume: Path) -> Path:
@@ -83,7 +99,10 @@ def load_state(volume: Path) -> FleetState:
     for name, entry in data["adapters"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("version"), int):
             raise UsageError(f"{p}: adapters.{name}: needs an integer 'version'")
-    return FleetState(data["adapters"])
+    marks = data.get("instances", {})
+    if not isinstance(marks, dict) or not all(isinstance(m, dict) for m in marks.values()):
+        raise UsageError(f"{p}: 'instances' must map instance names to objects")
+    return FleetState(data["adapters"], marks)
 
 
 def save_state(volume: Path, state: FleetState) -> None:

@@ -32,6 +32,7 @@ from pipeline.artifacts.volume import STAGING, version_dir
 from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed
+from pipeline.fleet.preflight import preflight
 from pipeline.fleet.rollout import rollout
 from pipeline.validate.publishable import prepare_for_fleet
 
@@ -177,12 +178,16 @@ def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: st
     mv = registry.resolve_version(cfg, name, version, alias)
 
     warnings = canary_gate(cfg, mv)  # before anything is written
+    if cfg.fleet.instances:
+        preflight(cfg)  # every instance runs the configured vLLM and model: else exit 4, nothing written
     volume = cfg.volume.path
     volume.mkdir(parents=True, exist_ok=True)
     path, created = materialise(cfg, mv, volume)
     instances: list[str] = []
     if cfg.fleet.instances:  # every instance serves it (or all are restored) before any alias moves
-        instances = [r.instance for r in rollout(cfg, name, int(mv.version), path) if r.ok]
+        reports = rollout(cfg, name, int(mv.version), path)
+        instances = [r.instance for r in reports if r.ok]
+        warnings += [f"{r.instance}: {w}" for r in reports for w in r.warnings]
     prev = registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, int(mv.version))
     if prev is not None and prev != int(mv.version):
         registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, prev)

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from pipeline.config import load_config
 from pipeline.errors import LockedError, UsageError
+from pipeline.fleet.modes import resolver_layout_problems
 from pipeline.fleet.reconcile import status
-from pipeline.fleet.rollout import resolver_layout_problems
 from pipeline.fleet.state import FleetState, fleet_lock, load_state, save_state, state_path
 from tests.support.fleet_server import free_port
 from tests.support.helpers import write_project_config
