@@ -33,7 +33,7 @@ def same_version(configured: str, reported: str | None) -> bool:
         return configured.strip() == reported.strip()
     if want.local is not None:
         return want == got
-    return want.public == got.public
+    return Version(want.public) == Version(got.public)
 
 
 @dataclass

@@ -1,10 +1,14 @@
-"""Publish, kill/restart, sync and rollback against two REAL vLLM CPU instances on 127.0.0.1.
+"""Publish, kill/restart, hang/resume, sync, rollback and the swap strategy against two REAL vLLM CPU
+instances on 127.0.0.1.
 
 Base: the tiny Qwen3.5 hybrid from `pipeline.dev.tinybase` (hidden 128, 4 heads of 64, linear head
 dims 128: vLLM's CPU build serves it). Adapters: random PEFT LoRAs (`tests/helpers.peft_adapter`)
 registered in a real sqlite MLflow, published through `pipeline publish`. The instances see the
-volume at its real path (volume_mount = volume path). Both instances start once per module,
-in parallel (~40-80 s on 2 busy cores); one restart in the kill test.
+volume at its real path (volume_mount = volume path), each on its own core (`cpu_fleet_env`;
+docs/fleet.md "A CPU test fleet"). Both instances start once per module, in parallel (~40-80 s on
+2 busy cores); one restart in the kill test. The CPU build is vLLM 0.32: the `auto` swap strategy
+is `versioned` there (sticky load_inplace), so clients request the name `pipeline fleet resolve`
+gives (`chat-vN`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tests.support.fleet_server import VllmServer, fleet_env_available
+from tests.support.fleet_server import VllmServer, cpu_fleet_env, fleet_env_available, fleet_vllm_version
 from tests.support.helpers import peft_adapter, write_project_config
 
 pytestmark = [
@@ -36,12 +40,13 @@ def fleet(tmp_path_factory, tiny_base):
     from pipeline.config import load_config
 
     root = tmp_path_factory.mktemp("fleet")
-    servers = [VllmServer(tiny_base, root, "a").start(), VllmServer(tiny_base, root, "b").start()]
+    servers = [VllmServer(tiny_base, root, n, **cpu_fleet_env(i)).start() for i, n in enumerate("ab")]
     volume = (root / "volume").resolve()
     cfg_path = write_project_config(
         root,
         served={"model": str(Path(tiny_base).resolve())},
         fleet={
+            "vllm_version": fleet_vllm_version(),
             "instances": [{"name": s.name, "url": s.url} for s in servers],
             "volume_mount": str(volume),
             "timeout_s": 60,
@@ -60,6 +65,7 @@ def fleet(tmp_path_factory, tiny_base):
     try:
         # Register while the instances boot (~40-80 s): the registry does not need them.
         ns.chat = [_register(ns, "chat", seed) for seed in (11, 12, 13)]
+        ns.swap = [_register(ns, "swap", seed) for seed in (21, 22)]
         for s in servers:
             s.wait_ready()
         yield ns
@@ -106,11 +112,11 @@ def roots(server) -> dict:
     return {c["id"]: c["root"] for c in data if c.get("parent")}
 
 
-def complete(server, model: str) -> str:
+def complete(server, model: str, prompt: str = PROMPT) -> str:
     r = httpx.post(
         f"{server.url}/v1/completions",
         timeout=60,
-        json={"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
     )
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
@@ -120,6 +126,22 @@ def vpath(fleet, version: int, name: str = "chat") -> str:
     return str(fleet.cfg.volume.path / f"{name}-v{version}")
 
 
+def resolved(fleet, name: str = "chat") -> str:
+    """The model id a client sends now (what `pipeline fleet resolve NAME` prints)."""
+    from pipeline.config import load_config
+    from pipeline.fleet.modes import resolve_served_name
+
+    return resolve_served_name(load_config(), name)
+
+
+def desired(fleet, name: str = "chat") -> int:
+    return json.loads((fleet.cfg.volume.path / "fleet-state.json").read_text())["adapters"][name]["version"]
+
+
+def marks(fleet) -> dict:
+    return json.loads((fleet.cfg.volume.path / "fleet-state.json").read_text()).get("instances", {})
+
+
 def production(fleet, name: str = "chat") -> int:
     from pipeline.registry import mlflow_for
 
@@ -127,20 +149,23 @@ def production(fleet, name: str = "chat") -> int:
 
 
 class Stream:
-    """One client thread per instance sending greedy requests to the stable name back to back."""
+    """One client thread per instance sending greedy requests back to back, each to the model id the
+    pipeline's resolver gives at that moment (as a client of the versioned swap does)."""
 
-    def __init__(self, servers, model="chat"):
-        self.results = []  # (instance, t_start, ok, text or error)
+    def __init__(self, fleet, servers, name="chat"):
+        self.results = []  # (instance, t_start, ok, model, text or error)
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(s, model), daemon=True) for s in servers]
+        self.fleet = fleet
+        self.threads = [threading.Thread(target=self._run, args=(s, name), daemon=True) for s in servers]
 
-    def _run(self, server, model):
+    def _run(self, server, name):
         while not self.stop.is_set():
             t0 = time.monotonic()
+            model = resolved(self.fleet, name)
             try:
-                self.results.append((server.name, t0, True, complete(server, model)))
+                self.results.append((server.name, t0, True, model, complete(server, model)))
             except Exception as e:  # noqa: BLE001 - every failure counts
-                self.results.append((server.name, t0, False, repr(e)))
+                self.results.append((server.name, t0, False, model, repr(e)))
 
     def __enter__(self):
         for t in self.threads:
@@ -158,32 +183,34 @@ def test_publish_switches_every_instance_under_load(fleet, chat):
     res = publish(v1)
     assert res.exit_code == 0, res.output
     a, b = fleet.servers["a"], fleet.servers["b"]
-    expect = {s.name: (complete(s, f"chat-v{v1}"), complete(s, f"chat-v{v1}")) for s in (a, b)}
-    with Stream([a, b]) as stream:
+    assert resolved(fleet) == f"chat-v{v1}"
+    with Stream(fleet, [a, b]) as stream:
         time.sleep(1.0)
         res = publish(v2)
         t_done = time.monotonic()
         assert res.exit_code == 0, res.output
         while sum(1 for r in stream.results if r[1] > t_done) < 4:  # a few requests after the switch
             time.sleep(0.2)
+    expect = {}
     for s in (a, b):
-        assert roots(s)["chat"] == vpath(fleet, v2)
-        expect[s.name] = (expect[s.name][0], complete(s, f"chat-v{v2}"))
-        assert expect[s.name][0] != expect[s.name][1], "v1 and v2 must be distinguishable by output"
+        assert roots(s)[f"chat-v{v2}"] == vpath(fleet, v2)
+        assert roots(s)[f"chat-v{v1}"] == vpath(fleet, v1)  # kept (keep_versions=2): its clients keep working
+        assert "chat" not in roots(s)  # the versioned swap never serves a re-pointed stable name
+        expect[s.name] = complete(s, f"chat-v{v2}")
+        assert complete(s, f"chat-v{v1}") != expect[s.name], "v1 and v2 must be distinguishable by output"
     failures = [r for r in stream.results if not r[2]]
     assert failures == []
     after = [r for r in stream.results if r[1] > t_done]
-    assert after and all(text == expect[inst][1] for inst, _, _, text in after), after
-    assert (
-        json.loads((fleet.cfg.volume.path / "fleet-state.json").read_text())["adapters"]["chat"]["version"]
-        == v2
-    )
-    assert production(fleet) == v2
+    assert after and all(m == f"chat-v{v2}" and text == expect[inst] for inst, _, _, m, text in after), after
+    assert desired(fleet) == v2 and production(fleet) == v2
+    assert cli("fleet", "resolve", "chat").output.strip() == f"chat-v{v2}"
     st = cli("fleet", "status", "--json")
     assert st.exit_code == 0, st.output
     assert {
-        (r["instance"], r["state"], r["serving"]) for r in json.loads(st.output) if r["adapter"] == "chat"
-    } == {("a", "ok", f"v{v2}"), ("b", "ok", f"v{v2}")}
+        (r["instance"], r["state"], r["serving"], r["vllm"])
+        for r in json.loads(st.output)
+        if r["adapter"] == "chat"
+    } == {("a", "ok", f"v{v2}", fleet_vllm_version()), ("b", "ok", f"v{v2}", fleet_vllm_version())}
 
 
 def test_rollback_restores_previous_version_on_both(fleet, chat):
@@ -191,48 +218,139 @@ def test_rollback_restores_previous_version_on_both(fleet, chat):
     assert publish(v1).exit_code == 0 and publish(v2).exit_code == 0
     res = cli("rollback", "chat")
     assert res.exit_code == 0, res.output
+    assert resolved(fleet) == f"chat-v{v1}"
     for s in fleet.servers.values():
-        assert roots(s)["chat"] == vpath(fleet, v1)
-        assert complete(s, "chat") == complete(s, f"chat-v{v1}")
-    assert production(fleet) == v1
-    assert (
-        json.loads((fleet.cfg.volume.path / "fleet-state.json").read_text())["adapters"]["chat"]["version"]
-        == v1
-    )
+        assert roots(s)[f"chat-v{v1}"] == vpath(fleet, v1)
+    assert production(fleet) == v1 and desired(fleet) == v1
 
 
-def test_killed_instance_fails_publish_then_sync_converges(fleet, chat):
+def test_killed_instance_stops_publish_before_any_change_then_sync_converges(fleet, chat):
     v1, v3 = chat[0], chat[2]
     assert publish(v1).exit_code == 0
     a, b = fleet.servers["a"], fleet.servers["b"]
     b.stop()
     res = publish(v3)
     assert res.exit_code == 4, res.output
-    assert "b (http" in res.output and "unreachable" in res.output  # per-instance report
-    assert "switched, then restored" in res.output and f"restored chat -> {vpath(fleet, v1)}" in res.output
-    ra = roots(a)
-    assert ra["chat"] == vpath(fleet, v1) and f"chat-v{v3}" not in ra  # undone on the switched instance
-    assert production(fleet) == v1
-    assert (
-        json.loads((fleet.cfg.volume.path / "fleet-state.json").read_text())["adapters"]["chat"]["version"]
-        == v1
-    )
+    assert "b (http" in res.output and "UNREACHABLE" in res.output  # per-instance report
+    assert "nothing was changed" in res.output and "pipeline fleet sync" in res.output
+    assert f"chat-v{v3}" not in roots(a)  # the preflight stopped it: a was never touched
+    assert not (fleet.cfg.volume.path / f"chat-v{v3}").exists()  # nor the volume
+    assert production(fleet) == v1 and desired(fleet) == v1
 
     b.start()  # restarted empty
     b.wait_ready()
     st = cli("fleet", "status", "--json")
     assert st.exit_code == 4
     assert {"instance": "b", "adapter": "chat", "state": "missing"}.items() <= next(
-        r for r in json.loads(st.output) if r["instance"] == "b"
+        r for r in json.loads(st.output) if r["instance"] == "b" and r["adapter"] == "chat"
     ).items()
     res = cli("fleet", "sync")
     assert res.exit_code == 0, res.output
-    assert roots(b)["chat"] == vpath(fleet, v1)
+    assert roots(b)[f"chat-v{v1}"] == vpath(fleet, v1)
     assert cli("fleet", "sync").output.count("loaded") == 0  # idempotent: nothing to do
     assert cli("fleet", "status").exit_code == 0
     res = publish(v3)  # with the fleet healthy again the publish goes through
     assert res.exit_code == 0, res.output
-    assert all(roots(s)["chat"] == vpath(fleet, v3) for s in (a, b))
+    assert all(roots(s)[f"chat-v{v3}"] == vpath(fleet, v3) for s in (a, b))
+
+
+def _hang_b_at_its_load(fleet, monkeypatch):
+    """SIGSTOP instance b right before it is sent a load: it accepts the request, answers nothing."""
+    from pipeline.fleet.client import InstanceClient
+
+    b = fleet.servers["b"]
+    real = InstanceClient.load
+
+    def load(self, name, path, inplace=False):
+        if self.name == "b":
+            b.pause()
+        return real(self, name, path, inplace)
+
+    monkeypatch.setattr(InstanceClient, "load", load)
+    for k, v in {"TIMEOUT_S": "10", "LOAD_TIMEOUT_S": "10"}.items():
+        monkeypatch.setenv(f"PIPELINE_FLEET__{k}", v)
+    return b
+
+
+def test_hung_instance_mid_rollout_is_undone_marked_unknown_then_synced(fleet, chat, monkeypatch):
+    """Default all-or-nothing: b stops (SIGSTOP) while its load is in flight; the publish puts a back,
+    marks b unknown, exits 4 saying what to run; after SIGCONT, `fleet sync` converges b."""
+    v1, v2 = chat[0], chat[1]
+    assert publish(v1).exit_code == 0
+    a = fleet.servers["a"]
+    b = _hang_b_at_its_load(fleet, monkeypatch)
+    try:
+        t0 = time.monotonic()
+        res = publish(v2)
+        took = time.monotonic() - t0
+        assert res.exit_code == 4, res.output
+        assert "b (http" in res.output and "HUNG (serving unknown)" in res.output
+        assert "a (http" in res.output and "switched, then restored" in res.output
+        assert "pipeline fleet sync" in res.output and "pipeline fleet status" in res.output
+        assert took < 120, took  # bounded: the load timeout, not forever
+        assert f"chat-v{v2}" not in roots(a) and resolved(fleet) == f"chat-v{v1}"
+        assert desired(fleet) == v1 and production(fleet) == v1
+        assert marks(fleet)["b"]["state"] == "unknown" and f"chat v{v2}" in marks(fleet)["b"]["reason"]
+        st = cli("fleet", "status", "--json")
+        assert st.exit_code == 4
+        assert [r["state"] for r in json.loads(st.output) if r["instance"] == "b"] == ["hung"]
+    finally:
+        b.resume()
+    monkeypatch.undo()
+    st = cli("fleet", "status", "--json")  # answers again; still marked until verified
+    assert st.exit_code == 4 and any(
+        r["instance"] == "b" and r["state"] == "unknown" for r in json.loads(st.output)
+    ), st.output
+    res = cli("fleet", "sync")
+    assert res.exit_code == 0, res.output
+    assert "cleared the 'unknown' mark" in res.output
+    assert roots(b)[f"chat-v{v1}"] == vpath(fleet, v1) and f"chat-v{v2}" not in roots(b)  # a late load undone
+    assert "b" not in marks(fleet)
+    assert cli("fleet", "status").exit_code == 0
+
+
+def test_hung_instance_with_min_healthy_publishes_on_the_rest(fleet, chat, monkeypatch):
+    """fleet.min_healthy=1: the publish completes on a while b hangs; b is marked behind and
+    `fleet sync` brings it to the new version after SIGCONT."""
+    v1, v3 = chat[0], chat[2]
+    assert publish(v1).exit_code == 0
+    a = fleet.servers["a"]
+    b = _hang_b_at_its_load(fleet, monkeypatch)
+    monkeypatch.setenv("PIPELINE_FLEET__MIN_HEALTHY", "1")
+    try:
+        res = publish(v3)
+        assert res.exit_code == 0, res.output
+        assert "serving on: a" in res.output and "published without this instance" in res.output
+        assert roots(a)[f"chat-v{v3}"] == vpath(fleet, v3)
+        assert desired(fleet) == v3 and production(fleet) == v3 and resolved(fleet) == f"chat-v{v3}"
+        assert marks(fleet)["b"]["state"] == "unknown"
+    finally:
+        b.resume()
+    monkeypatch.undo()
+    res = cli("fleet", "sync")
+    assert res.exit_code == 0, res.output
+    assert roots(b)[f"chat-v{v3}"] == vpath(fleet, v3) and "b" not in marks(fleet)
+
+
+def test_other_vllm_version_or_model_stops_publish_before_any_change(fleet, chat, monkeypatch):
+    v2 = chat[1]
+    before = desired(fleet)
+    monkeypatch.setenv("PIPELINE_FLEET__VLLM_VERSION", "0.19.2rc1.dev123+gabcdef0")
+    res = publish(v2)
+    assert res.exit_code == 4, res.output
+    assert (
+        f"runs vLLM {fleet_vllm_version()}, but fleet.vllm_version is 0.19.2rc1.dev123+gabcdef0" in res.output
+    )
+    assert "a (http" in res.output and "b (http" in res.output and "nothing was changed" in res.output
+    st = cli("fleet", "status", "--json")
+    assert st.exit_code == 4 and {r["state"] for r in json.loads(st.output) if r["adapter"] is None} == {
+        "mismatch"
+    }
+    monkeypatch.delenv("PIPELINE_FLEET__VLLM_VERSION")
+    monkeypatch.setenv("PIPELINE_SERVED__SERVED_MODEL_NAME", "Qwen3.6-27b-NVFP4")
+    res = publish(v2)
+    assert res.exit_code == 4 and "fleet.model_mismatch" in res.output and "nothing was changed" in res.output
+    assert desired(fleet) == before
 
 
 def test_adapter_failing_validation_never_reaches_an_instance(fleet):
@@ -257,6 +375,82 @@ def test_prune_removes_old_versions_but_not_the_served_one(fleet, chat):
     ).exists()
     for s in fleet.servers.values():
         r = roots(s)
-        assert r["chat"] == vpath(fleet, v3) and f"chat-v{v1}" not in r
+        assert r[f"chat-v{v3}"] == vpath(fleet, v3) and f"chat-v{v1}" not in r
     res = cli("rollback", "chat", "--to", str(v1))
     assert res.exit_code == 2 and "pruned" in res.output
+
+
+# -- stale KV: the same prompt before and after a swap ---------------------------------------------
+LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 19)  # ~475 tokens
+
+
+def prefix_hits(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(
+        float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+@pytest.fixture(scope="module")
+def fresh_v2(fleet) -> dict:
+    """The reference per instance: v2's weights under a name and path never used before (no cached
+    KV can match), answering LONG."""
+    import shutil
+
+    ref = fleet.root / "swap-reference-v2"
+    shutil.copytree(fleet.root / "src-swap-22", ref)
+    out = {}
+    for s in fleet.servers.values():
+        httpx.post(
+            f"{s.url}/v1/load_lora_adapter",
+            json={"lora_name": "swap-reference", "lora_path": str(ref)},
+            timeout=60,
+        ).raise_for_status()
+        out[s.name] = complete(s, "swap-reference", LONG)
+    return out
+
+
+def test_naive_in_place_swap_serves_stale_kv(fleet, fresh_v2):
+    """The defect the swap strategy exists for, reproduced on the real server: a stable name
+    re-pointed in place while its prefix-cache key stays the same (on 0.19-0.25 the key is the name
+    alone; on this 0.32 build it is name+path, so the same path stands in for it) answers a cached
+    prompt with KV computed by the OLD weights."""
+    import shutil
+
+    a = fleet.servers["a"]
+    d = fleet.root / "naive-stable"
+    shutil.copytree(fleet.root / "src-swap-21", d)
+    httpx.post(
+        f"{a.url}/v1/load_lora_adapter", json={"lora_name": "naive", "lora_path": str(d)}, timeout=60
+    ).raise_for_status()
+    v1_out = complete(a, "naive", LONG)
+    assert complete(a, "naive", LONG) == v1_out  # second time from the prefix cache
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(fleet.root / "src-swap-22" / f, d / f)
+    httpx.post(
+        f"{a.url}/v1/load_lora_adapter",
+        json={"lora_name": "naive", "lora_path": str(d), "load_inplace": True},
+        timeout=60,
+    ).raise_for_status()
+    hits = prefix_hits(a)
+    after = complete(a, "naive", LONG)
+    assert prefix_hits(a) > hits  # the old KV was reused ...
+    assert fresh_v2["a"] != v1_out
+    assert after != fresh_v2["a"]  # ... so the answer does not reflect the new weights
+
+
+def test_versioned_swap_answers_with_the_new_weights(fleet, fresh_v2):
+    """The pipeline's strategy: same prompt, two versions, same stable name `swap` (resolved by the
+    client): after the publish the answer equals v2's on a cold cache, on both instances."""
+    s1, s2 = fleet.swap
+    assert publish(s1, "swap").exit_code == 0
+    for s in fleet.servers.values():
+        name = resolved(fleet, "swap")
+        complete(s, name, LONG)
+        complete(s, name, LONG)  # warm the prefix cache with v1's KV
+    res = publish(s2, "swap")
+    assert res.exit_code == 0, res.output
+    name = resolved(fleet, "swap")
+    assert name == f"swap-v{s2}"
+    for s in fleet.servers.values():
+        assert complete(s, name, LONG) == fresh_v2[s.name]

@@ -4,6 +4,12 @@ Runs `.fleet-venv/bin/python tests/support/vllm_cpu_launcher.py serve MODEL ...`
 scripts/FLEET_NOTES.md in its own process group (killing the group takes down the API server,
 EngineCore and worker). Start-up is ~35-75 s on 2 busy cores, so start several at once with
 `start_all`. Every instance gets a free port on 127.0.0.1 and its log in `log_dir`.
+
+CPU placement (docs/fleet.md "A CPU test fleet"): vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto`
+reserves the last core of a NUMA node and binds the worker to the rest, so on a 2-core machine
+the worker of EVERY instance is pinned to core 0. `cpu_fleet_env(i)` gives instance `i` its own
+core instead (the whole process tree via the affinity mask, the OpenMP worker via
+`VLLM_CPU_OMP_THREADS_BIND`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ def fleet_env_available() -> bool:
     return FLEET_PY.exists()
 
 
+def fleet_vllm_version() -> str:
+    """The vLLM version the fleet environment's servers report on `GET /version` (e.g. "0.32.0")."""
+    site = next((REPO / ".fleet-venv" / "lib").glob("python*/site-packages"))
+    dist = next(site.glob("vllm_cpu-*.dist-info"), None) or next(site.glob("vllm-*.dist-info"))
+    return dist.name.removesuffix(".dist-info").split("-")[1].split("+")[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,6 +74,7 @@ class VllmServer:
         name: str,
         extra_env: dict | None = None,
         extra_args: list[str] | None = None,
+        cpus: list[int] | None = None,
     ):
         self.model = str(Path(model).resolve())
         self.name = name
@@ -68,6 +82,7 @@ class VllmServer:
         self.log = Path(log_dir) / f"{name}.log"
         self.extra_env = extra_env or {}
         self.extra_args = list(extra_args or [])  # after SERVE_ARGS: a repeated flag overrides (e.g. --dtype)
+        self.cpus = cpus  # CPU affinity of the whole process tree (None: inherit)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -96,11 +111,27 @@ class VllmServer:
             *SERVE_ARGS,
             *self.extra_args,
         ]
+        cpus = self.cpus
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(REPO),
+                start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         return self
+
+    def pause(self) -> None:
+        """SIGSTOP the whole instance (API server, engine, worker): it still accepts connections
+        (the kernel queues them) but answers nothing: a hung instance."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
         """Poll /health until 200. Raises RuntimeError with the log tail if the process dies or times out."""
@@ -120,6 +151,7 @@ class VllmServer:
         """SIGTERM the process group, SIGKILL after `timeout_s`."""
         if self.proc is None or self.proc.poll() is not None:
             return
+        os.killpg(self.proc.pid, signal.SIGCONT)  # a paused instance cannot handle SIGTERM
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
@@ -132,6 +164,19 @@ class VllmServer:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except FileNotFoundError:
             return "(no log)"
+
+
+def cpu_fleet_env(index: int | None, ncores: int | None = None) -> dict:
+    """VllmServer keyword arguments that put instance `index` on its own core (None: vLLM's default).
+
+    Core `index % ncores` of this process's allowed CPUs: the process tree's affinity, and the
+    OpenMP worker bound there explicitly (no core reserved: the engine and API server share it).
+    """
+    if index is None:
+        return {}
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[index % (ncores or len(allowed))]
+    return {"cpus": [core], "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
 
 
 def start_all(servers: list[VllmServer], timeout_s: float = 240.0) -> list[VllmServer]:
