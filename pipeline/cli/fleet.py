@@ -14,7 +14,7 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import FleetError, LockedError
-from pipeline.fleet.modes import resolve_served_name
+from pipeline.fleet.modes import loading_mode, resolve_served_name
 from pipeline.fleet.reconcile import CONVERGED
 from pipeline.fleet.reconcile import status as fleet_status
 from pipeline.fleet.reconcile import sync as fleet_sync
@@ -50,7 +50,9 @@ def status(as_json: JsonOption = False):
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"fleet ({cfg.fleet.loading_mode} mode, state {cfg.volume.path}/fleet-state.json)")
+        mode = loading_mode(cfg)
+        swap = f", {mode.plan.strategy} swap" if hasattr(mode, "plan") else ""
+        t = Table(title=f"fleet ({mode.name} mode{swap}, state {cfg.volume.path}/fleet-state.json)")
         for col in ("instance", "vLLM", "adapter", "desired", "serving", "state", "detail"):
             t.add_column(col, overflow="fold")
         colors = {
