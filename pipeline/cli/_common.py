@@ -46,8 +46,12 @@ def exit_code_for(exc: BaseException) -> int | None:
 def err(msg: str) -> None:
     """Print `error: msg` on stderr (rich markup off: messages hold paths and brackets)."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False, markup=True, soft_wrap=True)
+    # Only the prefix is markup: `[fleet.hung]`, `[vLLM 0.32.0]` in a message are text, not style tags.
+    Console(stderr=True).print(
+        f"[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True
+    )
 
 
 def json_requested() -> bool:

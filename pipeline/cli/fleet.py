@@ -48,6 +48,7 @@ def status(as_json: JsonOption = False):
         typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
     else:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         mode = loading_mode(cfg)
@@ -64,13 +65,13 @@ def status(as_json: JsonOption = False):
         }
         for r in rows:
             t.add_row(
-                r.instance,
-                r.vllm or "-",
-                r.adapter or "-",
+                escape(r.instance),
+                escape(r.vllm or "-"),
+                escape(r.adapter or "-"),
                 f"v{r.desired}" if r.desired else "-",
-                r.serving or "-",
+                escape(r.serving or "-"),
                 f"[{colors.get(r.state, 'red')}]{r.state}[/]",
-                r.detail,
+                escape(r.detail),
             )
         Console().print(t)
     exit_as(FleetError, any(r.state not in CONVERGED for r in rows))

@@ -100,10 +100,10 @@ class InstanceReport:
 
     @property
     def outcome(self) -> str:
-        if self.ok:
-            return "ok, behind" if any(f.id == "fleet.behind" for f in self.findings) else "ok"
         if self.restored:
             return "switched, then restored"
+        if self.ok:
+            return "ok"
         if self.hung:
             return "HUNG (serving unknown)" if self.unknown else "HUNG"
         if not self.answered:

@@ -284,8 +284,8 @@ def test_hung_instance_mid_rollout_is_undone_marked_unknown_then_synced(fleet, c
         res = publish(v2)
         took = time.monotonic() - t0
         assert res.exit_code == 4, res.output
-        assert "b (http" in res.output and "HUNG (serving unknown)" in res.output
-        assert "a (http" in res.output and "switched, then restored" in res.output
+        assert "b (http" in res.output and "HUNG (serving unknown)" in res.output, res.output
+        assert "a (http" in res.output and "switched, then restored" in res.output, res.output
         assert "pipeline fleet sync" in res.output and "pipeline fleet status" in res.output
         assert took < 120, took  # bounded: the load timeout, not forever
         assert f"chat-v{v2}" not in roots(a) and resolved(fleet) == f"chat-v{v1}"

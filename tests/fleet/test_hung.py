@@ -166,3 +166,26 @@ def test_report_outcomes_and_hint():
     assert ok.outcome == "ok" and refused.answered and refused.outcome == "FAILED"
     assert "b" in operator_hint([ok, hung, refused]) and "fleet sync" in operator_hint([hung])
     assert operator_hint([ok]) == ""
+
+
+def test_error_messages_keep_their_brackets(capsys):
+    """Bug: `err()` printed messages as rich markup, so `[fleet.hung]` and `[vLLM 0.32.0]` in a fleet
+    report vanished from the terminal (seen in the SIGSTOP test's publish output)."""
+    from pipeline.cli._common import err
+
+    err("b: HUNG [vLLM 0.32.0]\n    error: no answer [fleet.hung] [/tmp/x] [bold]")
+    out = capsys.readouterr().err
+    assert "[vLLM 0.32.0]" in out and "[fleet.hung]" in out and "[/tmp/x]" in out and "[bold]" in out
+
+
+def test_status_table_shows_details_with_brackets(tmp_path, hung, monkeypatch):
+    from pipeline.cli import app
+
+    cfg = _cfg(tmp_path, [{"name": "h", "url": hung.url}])
+    st = FleetState()
+    st.mark_unknown("h", "publish of chat v2: no answer [fleet.hung]")
+    save_state(cfg.volume.path, st)
+    monkeypatch.setenv("PIPELINE_CONFIG", str(cfg.source))
+    monkeypatch.setenv("COLUMNS", "400")
+    res = CliRunner().invoke(app, ["fleet", "status"])
+    assert res.exit_code == 4 and "[fleet.hung]" in res.output, res.output
