@@ -114,6 +114,20 @@ def switch_all(cfg: ProjectConfig, mode: LoadingMode, name: str, version: int) -
     )
 
 
+def cleanup_all(
+    cfg: ProjectConfig, mode: LoadingMode, name: str, reports: list[InstanceReport], keep: set[int]
+) -> None:
+    """Unload `name`'s version names not in `keep` on every instance that confirmed; best effort
+    (failures become `fleet.cleanup_failed` warnings in `reports`)."""
+    answering = [r.instance for r in reports if r.ok]
+    cleanup = each_instance(cfg, lambda c, r: mode.cleanup(c, r, name, keep), only=answering)
+    by_name = {r.instance: r for r in reports}
+    for extra in cleanup:
+        by_name[extra.instance].actions += extra.actions
+        for f in extra.findings:
+            by_name[extra.instance].warn("fleet.cleanup_failed", f.message)
+
+
 def rollout(cfg: ProjectConfig, name: str, version: int, path: Path) -> list[InstanceReport]:
     """Make every instance serve `<volume>/<NAME>-v<N>` (`path`), then record it as desired.
 
@@ -137,12 +151,5 @@ def rollout(cfg: ProjectConfig, name: str, version: int, path: Path) -> list[Ins
         state = load_state(cfg.volume.path)
         state.set(name, version)
         save_state(cfg.volume.path, state)
-        keep = kept_versions(state, name, cfg.fleet.keep_versions)
-        answering = [r.instance for r in reports if r.ok]
-        cleanup = each_instance(cfg, lambda c, r: mode.cleanup(c, r, name, keep), only=answering)
-        by_name = {r.instance: r for r in reports}
-        for extra in cleanup:  # best effort: warnings, not failures
-            by_name[extra.instance].actions += extra.actions
-            for f in extra.findings:
-                by_name[extra.instance].warn("fleet.cleanup_failed", f.message)
+        cleanup_all(cfg, mode, name, reports, kept_versions(state, name, cfg.fleet.keep_versions))
     return reports
