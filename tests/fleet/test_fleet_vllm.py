@@ -64,7 +64,7 @@ def fleet(tmp_path_factory, tiny_base):
     )
     try:
         # Register while the instances boot (~40-80 s): the registry does not need them.
-        ns.chat = [_register(ns, "chat", seed) for seed in (11, 12, 13)]
+        ns.chat = [_register(ns, "chat", seed) for seed in (11, 12, 13, 14, 15)]
         ns.swap = [_register(ns, "swap", seed) for seed in (21, 22)]
         for s in servers:
             s.wait_ready()
@@ -93,7 +93,7 @@ def _register(fleet, name: str, seed: int, **kw) -> int:
 
 @pytest.fixture(scope="module")
 def chat(fleet):
-    """Three registered versions of adapter `chat`."""
+    """Five registered versions of adapter `chat` (the last two are never loaded before the hang tests)."""
     return fleet.chat
 
 
@@ -275,7 +275,7 @@ def _hang_b_at_its_load(fleet, monkeypatch):
 def test_hung_instance_mid_rollout_is_undone_marked_unknown_then_synced(fleet, chat, monkeypatch):
     """Default all-or-nothing: b stops (SIGSTOP) while its load is in flight; the publish puts a back,
     marks b unknown, exits 4 saying what to run; after SIGCONT, `fleet sync` converges b."""
-    v1, v2 = chat[0], chat[1]
+    v1, v2 = chat[0], chat[3]  # v2: loaded nowhere yet, so b is sent a load
     assert publish(v1).exit_code == 0
     a = fleet.servers["a"]
     b = _hang_b_at_its_load(fleet, monkeypatch)
@@ -312,7 +312,7 @@ def test_hung_instance_mid_rollout_is_undone_marked_unknown_then_synced(fleet, c
 def test_hung_instance_with_min_healthy_publishes_on_the_rest(fleet, chat, monkeypatch):
     """fleet.min_healthy=1: the publish completes on a while b hangs; b is marked behind and
     `fleet sync` brings it to the new version after SIGCONT."""
-    v1, v3 = chat[0], chat[2]
+    v1, v3 = chat[0], chat[4]  # v3: loaded nowhere yet, so b is sent a load
     assert publish(v1).exit_code == 0
     a = fleet.servers["a"]
     b = _hang_b_at_its_load(fleet, monkeypatch)
