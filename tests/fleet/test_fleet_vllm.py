@@ -297,6 +297,8 @@ def test_hung_instance_mid_rollout_is_undone_marked_unknown_then_synced(fleet, c
     finally:
         b.resume()
     monkeypatch.undo()
+    time.sleep(3)  # the load queued in b's listen backlog is processed on SIGCONT (or not): either way
+    print(f"late load landed on b after SIGCONT: {f'chat-v{v2}' in roots(b)}")  # sync must converge it
     st = cli("fleet", "status", "--json")  # answers again; still marked until verified
     assert st.exit_code == 4 and any(
         r["instance"] == "b" and r["state"] == "unknown" for r in json.loads(st.output)
