@@ -12,11 +12,12 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, exit_as, project_config
 from pipeline.errors import FleetError, LockedError
 from pipeline.fleet.reconcile import status as fleet_status
 from pipeline.fleet.reconcile import sync as fleet_sync
 from pipeline.jobs.follow import follow_alias as follow
+from pipeline.release.desired import volume_rows
 from pipeline.release.prune import prune as fleet_prune
 
 app = typer.Typer(help="The vLLM fleet: what it serves, reconcile, prune old versions.", no_args_is_help=True)
@@ -35,10 +36,12 @@ def print_reports(reports, as_json: bool = False) -> None:
 def status(as_json: JsonOption = False):
     """Per instance: what it serves against the desired state (ok, missing, stale, unknown, unreachable).
 
-    Exit 0 when every instance serves every desired version, else 4.
+    Also (instance `-`): `drift` between the `production` alias and fleet-state.json or an
+    unfinished transaction, `corrupt` desired version directories. Exit 0 when every instance
+    serves every desired version and nothing drifts, else 4.
     """
     cfg = project_config()
-    rows = fleet_status(cfg)
+    rows = (fleet_status(cfg) if cfg.fleet.instances else []) + volume_rows(cfg)
     if as_json:
         typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
     else:
@@ -48,7 +51,13 @@ def status(as_json: JsonOption = False):
         t = Table(title=f"fleet ({cfg.fleet.loading_mode} mode, state {cfg.volume.path}/fleet-state.json)")
         for col in ("instance", "adapter", "desired", "serving", "state", "detail"):
             t.add_column(col, overflow="fold")
-        colors = {"ok": "green", "missing": "yellow", "stale": "yellow", "unknown": "cyan"}
+        colors = {
+            "ok": "green",
+            "missing": "yellow",
+            "stale": "yellow",
+            "unknown": "cyan",
+            "drift": "bold red",
+        }
         for r in rows:
             t.add_row(
                 r.instance,
@@ -59,6 +68,8 @@ def status(as_json: JsonOption = False):
                 r.detail,
             )
         Console().print(t)
+        if not cfg.fleet.instances:
+            typer.echo("no fleet instances configured (fleet.instances): volume and registry checks only")
     exit_as(FleetError, any(r.state not in ("ok", "unknown") for r in rows))
 
 
@@ -110,7 +121,7 @@ def sync(
 
 @app.command("prune")
 def prune(
-    name: Annotated[str, typer.Argument(help="adapter name")],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
     keep: Annotated[int, typer.Option("--keep", help="newest version directories to keep")] = 2,
     force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
 ):

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from pipeline import registry
-from pipeline.cli._common import JsonOption, err, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, err, exit_as, project_config
 from pipeline.errors import CheckFailed
 from pipeline.registry.ui import model_url, start
 from pipeline.release.status import collect, render
@@ -23,7 +23,10 @@ def register(
     adapter: Annotated[
         Path, typer.Argument(help="adapter directory from `pipeline train` (with manifest.json)")
     ],
-    name: Annotated[str, typer.Option(help="registered model name (the fleet's stable adapter name)")],
+    name: Annotated[
+        str,
+        typer.Option(help="registered model name (the fleet's stable adapter name)", callback=adapter_name),
+    ],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
 ):
     """Validate, then record the adapter in MLflow as a model version.
@@ -47,7 +50,9 @@ def register(
 
 @app.command()
 def status(
-    name: Annotated[str | None, typer.Argument(help="registered model (default: all)")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name)
+    ] = None,
     as_json: JsonOption = False,
     fleet: Annotated[bool, typer.Option(help="ask the fleet's instances what they serve")] = True,
 ):
@@ -70,6 +75,7 @@ def ui(
 
     Start the MLflow UI on 127.0.0.1 against the project's store; Ctrl-C stops it."""
     cfg = project_config()
+    registry.check_store(cfg)  # a store that cannot be used fails now, not after the server's start-up
     if registry.is_server_uri(cfg.tracking_uri):
         typer.echo(f"the registry is a server: {model_url(cfg.tracking_uri, name)}")
         return

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from pipeline.artifacts.volume import VERSION_RE, version_name
+from pipeline.artifacts.volume import VERSION_RE, verify_version, version_name
 from pipeline.config import ProjectConfig
 from pipeline.fleet.client import InstanceClient, InstanceError, Unreachable
 from pipeline.fleet.instances import InstanceReport, each_instance, instance_path
@@ -19,10 +18,11 @@ def _reconcile(client: InstanceClient, cfg: ProjectConfig, state: FleetState, re
     client.adapters()  # Unreachable first: that is the instance's state, whatever the volume holds
     for name, entry in sorted(state.adapters.items()):
         version = int(entry["version"])
-        if not (Path(cfg.volume.path) / version_name(name, version)).is_dir():
+        problems = verify_version(cfg.volume.path, name, version)  # before any instance is told to load it
+        if problems:
             rep.errors.append(
-                f"{name} v{version}: {cfg.volume.path}/{version_name(name, version)} is missing "
-                f"(pruned?): publish it again or roll back"
+                f"{name} v{version}: not loaded: {cfg.volume.path}/{version_name(name, version)} is missing "
+                f"(pruned?) or fails its manifest (tampered?): {problems[0]}; publish it again or roll back"
             )
             continue
         try:
