@@ -249,7 +249,9 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
 
 
 # -- the transaction -------------------------------------------------------------------------------
-def _replaces(cfg: ProjectConfig, name: str, target: int, prod: int | None, desired: int | None) -> int | None:
+def _replaces(
+    cfg: ProjectConfig, name: str, target: int, prod: int | None, desired: int | None
+) -> int | None:
     """The version `target` replaces (it becomes `previous`).
 
     Normally `production`. When `production` already points at `target` (moved in the MLflow UI,
