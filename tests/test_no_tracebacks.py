@@ -244,6 +244,11 @@ def cases(w: World) -> list[Case]:
     for n in NAMES:
         add(Case(["demo", "--name", n]))
     add(Case(["demo", "--config", P["missing"]], env="bad-config"))
+    add(Case(["dev", "real-base", "/proc/no-such-dir/x", "--layers", "1"]))
+    add(Case(["dev", "real-base", P["devnull"], "--layers", "1"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--layers", "0"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--device", "bogus"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--shard-gb", "0"]))
     add(Case(["dev", "tiny-base", "/proc/no-such-dir/x"]))
     add(Case(["dev", "tiny-base", P["devnull"]]))
     add(Case(["dev", "tiny-base", str(w.root / "tb"), "--layout", "bogus"]))

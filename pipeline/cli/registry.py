@@ -10,7 +10,7 @@ import typer
 
 from pipeline import registry
 from pipeline.cli._common import JsonOption, adapter_name, err, exit_as, project_config
-from pipeline.errors import CheckFailed
+from pipeline.errors import CheckFailed, UsageError
 from pipeline.registry.ui import model_url, start
 from pipeline.release.status import collect, render
 from pipeline.validate import validate_with_config
@@ -33,6 +33,10 @@ def register(
 
     Validate, then record the adapter in MLflow as a model version with alias `candidate`."""
     cfg = project_config()
+    if not adapter.is_dir():  # also a symlink loop or a path through a file: before validation reads it
+        raise UsageError(
+            f"{adapter}: not an adapter directory (give the `adapter/` directory `pipeline train` wrote)"
+        )
     rep = validate_with_config(cfg, adapter, base)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
     typer.echo(

@@ -138,6 +138,8 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
         raise RegistryError(
             f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
         ) from e
+    except (ValueError, OSError) as e:  # not JSON, not a manifest, unreadable
+        raise RegistryError(f"{adapter_dir}: unusable manifest.json ({e}); nothing registered") from e
     # The lineage on the version is the manifest's: refuse files that are not what it describes.
     problems = verify_files(adapter_dir, manifest.get("files", {}))
     if problems:
