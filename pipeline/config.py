@@ -111,6 +111,9 @@ class RegistrySection(_Section):
         None,
         description="artifact store for the experiment, e.g. s3://bucket/prefix; default <state_dir>/mlartifacts",
     )
+    connect_timeout_s: float = Field(
+        5.0, gt=0, description="seconds to reach the store (connect, /health, a locked sqlite) before failing"
+    )
 
 
 class VolumeSection(_Section):
@@ -259,6 +262,10 @@ def load_config(path: Path | None = None) -> ProjectConfig:
             raise ConfigError(f"{path}: config file not found (set {CONFIG_ENV} or pass --config)")
         try:
             data = yaml.safe_load(path.read_text()) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from e
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):

@@ -8,7 +8,8 @@ codes"): a subclass inherits its parent's code.
     PipelineError
     ├── UsageError        2  bad input: unknown name/version/alias, missing file, bad flag
     │   ├── ConfigError      pipeline.yaml (or its environment overrides) invalid
-    │   └── StoreError       the MLflow store is unreachable, locked or not a database
+    │   ├── StoreError       the MLflow store is unreachable, locked or not a database
+    │   └── VolumeError      the adapter volume cannot be written (read-only, full, permissions)
     ├── CheckFailed       1  input read fine but failed a check (dataset, config, validation, training)
     ├── LockedError       3  another operation holds the lock for this adapter / fleet
     ├── FleetError        4  the fleet did not converge (publish undid itself)
@@ -32,6 +33,10 @@ class ConfigError(UsageError):
 
 class StoreError(UsageError):
     """The MLflow tracking/registry store cannot be used (unreachable, locked, wrong kind)."""
+
+
+class VolumeError(UsageError):
+    """The adapter volume (or another directory the pipeline writes) cannot be written: read-only, full, denied."""
 
 
 class CheckFailed(PipelineError):

@@ -59,6 +59,10 @@ def read_manifest(directory: Path) -> dict:
     p = Path(directory) / MANIFEST
     try:
         data = json.loads(p.read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a text file (byte {e.start} is not UTF-8)") from e
+    except IsADirectoryError as e:
+        raise ValueError(f"{p}: is a directory, not a manifest file") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from e
     if not isinstance(data, dict):

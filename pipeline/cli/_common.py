@@ -43,6 +43,36 @@ def exit_code_for(exc: BaseException) -> int | None:
     return None
 
 
+def as_pipeline_error(exc: BaseException) -> PipelineError | None:
+    """A library or OS failure that escaped the stage code, as the pipeline error it is, else None.
+
+    MLflow / SQLAlchemy / HTTP-stack exceptions become `StoreError` naming the store
+    (`pipeline.registry.store.as_store_error`); any other `OSError` (read-only or full filesystem,
+    permissions) a `VolumeError` saying what and where.
+    """
+    if isinstance(exc, PipelineError):
+        return exc
+    from pipeline.registry.store import as_store_error  # lazy: pydantic-settings, only on a failure
+
+    err = as_store_error(exc)
+    if err is None and isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+        from pipeline.artifacts.volume import os_failure  # lazy: only on a failure
+
+        err = os_failure(exc, "filesystem error", exc.filename or "")
+    return err
+
+
+def adapter_name(value):
+    """Typer callback: the adapter name(s) given follow the grammar (`pipeline.artifacts.names`), else exit 2."""
+    if value is None:
+        return value
+    from pipeline.artifacts.names import check_name  # lazy: `pipeline --help` imports only pipeline.errors
+
+    for v in value if isinstance(value, list | tuple) else [value]:
+        check_name(v)
+    return value
+
+
 def err(msg: str) -> None:
     """Print `error: msg` on stderr (rich markup off: messages hold paths and brackets)."""
     from rich.console import Console
@@ -91,7 +121,10 @@ class PipelineGroup(TyperGroup):
         except Exception as e:
             code = exit_code_for(e)
             if code is None:
-                raise
+                e = as_pipeline_error(e)
+                if e is None:
+                    raise
+                code = exit_code_for(e)
             report_error(e, code)
             raise typer.Exit(code) from None
 

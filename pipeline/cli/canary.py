@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from pipeline import canary as cn
-from pipeline.cli._common import JsonOption, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, exit_as, project_config
 from pipeline.errors import CheckFailed, FleetError, UsageError
 from pipeline.fleet.client import InstanceError, Unreachable
 from pipeline.validate import default_base
@@ -112,6 +112,7 @@ def canary(
                 )
             res = cn.run_canary(cfg, Path(adapter), base_dir, staging, instance_path, files)
         else:
+            adapter_name(adapter)  # a registered model's name: the grammar, before any work
             if instance_path:
                 raise UsageError(
                     "--instance-path is for directory adapters (registered versions are "

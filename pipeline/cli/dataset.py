@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import JsonOption, exit_as
-from pipeline.errors import CheckFailed
+from pipeline.errors import CheckFailed, UsageError
 from pipeline.train.dataset import check_datasets
 
 app = typer.Typer(help="Dataset checks.", no_args_is_help=True)
@@ -28,7 +28,12 @@ def check(
     if tokenizer:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        try:
+            tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        except (OSError, ValueError) as e:  # transformers: not a tokenizer directory
+            raise UsageError(
+                f"--tokenizer {tokenizer}: not a tokenizer directory ({str(e).splitlines()[0]})"
+            ) from e
     rep = check_datasets(train, validation, tokenizer=tok, sequence_len=sequence_len)
     if as_json:
         typer.echo(json.dumps(rep.to_dict(), indent=2))

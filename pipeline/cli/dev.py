@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import project_config
+from pipeline.cli._common import adapter_name, project_config
 from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.tinybase import build_tiny_base
@@ -67,7 +67,7 @@ def real_base(
 
 @demo_app.command()
 def demo(
-    name: Annotated[str, typer.Option(help="adapter name")] = "agent-tools",
+    name: Annotated[str, typer.Option(help="adapter name", callback=adapter_name)] = "agent-tools",
     config: Annotated[Path, typer.Option(help="axolotl config")] = Path("axolotl_configs/tiny-cpu.yml"),
 ):
     """Run the main job on the embedded default: tiny base to published adapter.

@@ -12,13 +12,14 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, exit_as, project_config
 from pipeline.errors import FleetError, LockedError
 from pipeline.fleet.modes import loading_mode, resolve_served_name
 from pipeline.fleet.reconcile import CONVERGED
 from pipeline.fleet.reconcile import status as fleet_status
 from pipeline.fleet.reconcile import sync as fleet_sync
 from pipeline.jobs.follow import follow_alias as follow
+from pipeline.release.desired import volume_rows
 from pipeline.release.prune import prune as fleet_prune
 
 app = typer.Typer(help="The vLLM fleet: what it serves, reconcile, prune old versions.", no_args_is_help=True)
@@ -39,11 +40,13 @@ def status(as_json: JsonOption = False):
 
     States: ok, missing, stale, extra (loaded, not desired), unknown (marked: a change got no
     answer; `fleet sync` verifies and clears it), hung (accepts connections, no answer), unreachable,
-    mismatch (vLLM version or model differs from the config), error. Exit 0 when every instance
-    serves every desired version, else 4.
+    mismatch (vLLM version or model differs from the config), error. Also (instance `-`): `drift`
+    between the `production` alias and fleet-state.json or an unfinished transaction, `corrupt` or
+    `absent` desired version directories. Exit 0 when every instance serves every desired version
+    and nothing drifts, else 4.
     """
     cfg = project_config()
-    rows = fleet_status(cfg)
+    rows = (fleet_status(cfg) if cfg.fleet.instances else []) + volume_rows(cfg)
     if as_json:
         typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
     else:
@@ -62,6 +65,7 @@ def status(as_json: JsonOption = False):
             "stale": "yellow",
             "extra": "cyan",
             "unknown": "magenta",
+            "drift": "bold red",
         }
         for r in rows:
             t.add_row(
@@ -74,12 +78,14 @@ def status(as_json: JsonOption = False):
                 escape(r.detail),
             )
         Console().print(t)
+        if not cfg.fleet.instances:
+            typer.echo("no fleet instances configured (fleet.instances): volume and registry checks only")
     exit_as(FleetError, any(r.state not in CONVERGED for r in rows))
 
 
 @app.command("resolve")
 def resolve(
-    name: Annotated[str, typer.Argument(help="adapter name")],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
     as_json: JsonOption = False,
 ):
     """The model id clients send for adapter NAME now (e.g. NAME-v3), from the desired state."""
@@ -135,7 +141,7 @@ def sync(
 
 @app.command("prune")
 def prune(
-    name: Annotated[str, typer.Argument(help="adapter name")],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
     keep: Annotated[int, typer.Option("--keep", help="newest version directories to keep")] = 2,
     force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
 ):

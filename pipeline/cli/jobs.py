@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import err, exit_code_for, project_config
+from pipeline.cli._common import adapter_name, as_pipeline_error, err, exit_code_for, project_config
 from pipeline.errors import GateFailed, UsageError
 from pipeline.jobs.follow import WebhookReceiver, follow_alias
 from pipeline.jobs.run import run
@@ -23,7 +23,9 @@ app = typer.Typer()
 @app.command("run")
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="axolotl YAML")],
-    name: Annotated[str | None, typer.Option(help="adapter name (default: config stem)")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="adapter name (default: config stem)", callback=adapter_name)
+    ] = None,
     force: Annotated[bool, typer.Option(help="train even if the inputs are unchanged")] = False,
     set_: Annotated[list[str], typer.Option("--set", help="override a config key: key=value")] = [],
     overlay: Annotated[
@@ -56,7 +58,10 @@ def run_cmd(
     except Exception as e:
         code = exit_code_for(e)
         if code is None:
-            raise
+            e = as_pipeline_error(e)
+            if e is None:
+                raise
+            code = exit_code_for(e)
         err(str(e))
         status = "locked" if code == 3 else "failed"
         typer.echo(json.dumps({"status": status, "reason": str(e).splitlines()[0], "exit_code": code}))
@@ -69,7 +74,10 @@ def follow_alias_cmd(
     alias: Annotated[str, typer.Argument(help="alias to follow")] = "production",
     interval: Annotated[float, typer.Option(help="seconds between registry polls")] = 30.0,
     once: Annotated[bool, typer.Option(help="poll once and exit")] = False,
-    name: Annotated[list[str] | None, typer.Option("--name", help="models to follow (default: all)")] = None,
+    name: Annotated[
+        list[str] | None,
+        typer.Option("--name", help="models to follow (default: all)", callback=adapter_name),
+    ] = None,
     webhook_port: Annotated[
         int | None, typer.Option(help="also take MLflow webhooks on 127.0.0.1:PORT")
     ] = None,

@@ -11,7 +11,7 @@ import typer
 
 from pipeline import registry
 from pipeline.artifacts.manifest import read_manifest
-from pipeline.cli._common import project_config
+from pipeline.cli._common import adapter_name, project_config
 from pipeline.errors import UsageError
 from pipeline.merge import merge_adapter, registered_version
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
@@ -42,7 +42,9 @@ def merge(
     parity: Annotated[
         ParityMode, typer.Option(help="parity gate vs peft: auto (small text-layout bases), on, off")
     ] = ParityMode.auto,
-    name: Annotated[str | None, typer.Option(help="registered model name to tag with the verdict")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="registered model name to tag with the verdict", callback=adapter_name)
+    ] = None,
     version: Annotated[
         int | None, typer.Option(help="registered model version to tag with the verdict")
     ] = None,

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from pipeline import registry
-from pipeline.cli._common import JsonOption, err, exit_as, project_config
-from pipeline.errors import CheckFailed
+from pipeline.cli._common import JsonOption, adapter_name, err, exit_as, project_config
+from pipeline.errors import CheckFailed, UsageError
 from pipeline.registry.ui import model_url, start
 from pipeline.release.status import collect, render
 from pipeline.validate import validate_with_config
@@ -23,13 +23,20 @@ def register(
     adapter: Annotated[
         Path, typer.Argument(help="adapter directory from `pipeline train` (with manifest.json)")
     ],
-    name: Annotated[str, typer.Option(help="registered model name (the fleet's stable adapter name)")],
+    name: Annotated[
+        str,
+        typer.Option(help="registered model name (the fleet's stable adapter name)", callback=adapter_name),
+    ],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
 ):
     """Validate, then record the adapter in MLflow as a model version.
 
     Validate, then record the adapter in MLflow as a model version with alias `candidate`."""
     cfg = project_config()
+    if not adapter.is_dir():  # also a symlink loop or a path through a file: before validation reads it
+        raise UsageError(
+            f"{adapter}: not an adapter directory (give the `adapter/` directory `pipeline train` wrote)"
+        )
     rep = validate_with_config(cfg, adapter, base)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
     typer.echo(
@@ -47,7 +54,9 @@ def register(
 
 @app.command()
 def status(
-    name: Annotated[str | None, typer.Argument(help="registered model (default: all)")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name)
+    ] = None,
     as_json: JsonOption = False,
     fleet: Annotated[bool, typer.Option(help="ask the fleet's instances what they serve")] = True,
 ):
@@ -70,6 +79,7 @@ def ui(
 
     Start the MLflow UI on 127.0.0.1 against the project's store; Ctrl-C stops it."""
     cfg = project_config()
+    registry.check_store(cfg)  # a store that cannot be used fails now, not after the server's start-up
     if registry.is_server_uri(cfg.tracking_uri):
         typer.echo(f"the registry is a server: {model_url(cfg.tracking_uri, name)}")
         return

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import exit_as, project_config
+from pipeline.cli._common import adapter_name, exit_as, project_config
 from pipeline.cli.fleet import print_reports
 from pipeline.errors import FleetError
 from pipeline.release.publish import publish as do_publish
@@ -17,7 +17,7 @@ app = typer.Typer()
 
 @app.command()
 def publish(
-    name: Annotated[str, typer.Argument(help="registered model name")],
+    name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
     version: Annotated[int | None, typer.Option(help="model version")] = None,
     alias: Annotated[str | None, typer.Option(help="model alias, e.g. candidate")] = None,
 ):
@@ -40,7 +40,7 @@ def publish(
 
 @app.command()
 def promote(
-    name: Annotated[str, typer.Argument(help="registered model name")],
+    name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
     version: Annotated[int, typer.Argument(help="model version to ship")],
 ):
     """Move alias `production` to VERSION and publish it.
@@ -53,11 +53,13 @@ def promote(
         else ""
     )
     typer.echo(f"promoted {res.name} v{res.version} to production{prev}: {res.path}")
+    for w in res.warnings:
+        typer.echo(f"warning: {w}", err=True)
 
 
 @app.command()
 def rollback(
-    name: Annotated[str, typer.Argument(help="adapter (registered model) name")],
+    name: Annotated[str, typer.Argument(help="adapter (registered model) name", callback=adapter_name)],
     to: Annotated[
         int | None, typer.Option("--to", help="version (default: the previously desired one)")
     ] = None,
@@ -66,8 +68,11 @@ def rollback(
 
     Make an earlier version desired, move alias `production` back, and sync the fleet. Exit 4: not converged."""
     cfg = project_config()
-    cur, target, reports = fleet_rollback(cfg, name, to)
+    res = fleet_rollback(cfg, name, to)
+    cur, target, reports = res
     typer.echo(f"{name}: desired version v{cur} -> v{target}; alias production -> {target}")
+    for n in res.notes:
+        typer.echo(f"note: {n}", err=True)
     if cfg.fleet.instances:
         print_reports(reports)
     exit_as(FleetError, not all(r.ok for r in reports))

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from pipeline.cli._common import adapter_name
 from pipeline.errors import UsageError
 from pipeline.jobs.schedule import ScheduleSpec, emit
 
@@ -24,7 +25,7 @@ class Kind(StrEnum):
 @app.command("emit")
 def emit_cmd(
     kind: Annotated[Kind, typer.Option(help="scheduler")],
-    name: Annotated[str, typer.Option(help="adapter name")],
+    name: Annotated[str, typer.Option(help="adapter name", callback=adapter_name)],
     config: Annotated[str, typer.Option(help="axolotl config path as the job sees it")],
     schedule: Annotated[str, typer.Option(help="cron expression")] = "0 3 * * *",
     gpus: int = 1,

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import project_config
+from pipeline.cli._common import adapter_name, project_config
 from pipeline.train.launch import train as run_train
 
 app = typer.Typer()
@@ -32,7 +32,9 @@ def train(
         list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
     ] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
-    name: Annotated[str | None, typer.Option(help="adapter name (default: config file stem)")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="adapter name (default: config file stem)", callback=adapter_name)
+    ] = None,
     gpus: Annotated[int, typer.Option(help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
     launcher: Annotated[
         Launcher | None, typer.Option(help="axolotl's launcher (default: python for 1 GPU, else accelerate)")

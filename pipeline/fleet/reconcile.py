@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from pipeline.artifacts.volume import VERSION_RE, version_name
+from pipeline.artifacts.volume import VERSION_RE, verify_version, version_name
 from pipeline.config import ProjectConfig
 from pipeline.fleet.client import Hung, InstanceClient, InstanceError, Unreachable
 from pipeline.fleet.instances import InstanceReport, each_instance, instance_path
@@ -37,11 +36,12 @@ def _reconcile(
         return
     for name, entry in sorted(state.adapters.items()):
         version = int(entry["version"])
-        if not (Path(cfg.volume.path) / version_name(name, version)).is_dir():
+        problems = verify_version(cfg.volume.path, name, version)  # before any instance is told to load it
+        if problems:
             rep.error(
                 "fleet.volume_missing",
-                f"{name} v{version}: {cfg.volume.path}/{version_name(name, version)} is missing "
-                f"(pruned?): publish it again or roll back",
+                f"{name} v{version}: not loaded: {cfg.volume.path}/{version_name(name, version)} is missing "
+                f"(pruned?) or fails its manifest (tampered?): {problems[0]}; publish it again or roll back",
             )
             continue
         try:

@@ -14,6 +14,10 @@ entry before the last). `instances` (optional) marks instances whose serving is 
 change was sent and no answer came (a hung instance may still apply it when it resumes);
 `fleet sync` clears a mark once the instance answers and serves the desired state.
 
+The file is derived from the MLflow `production` alias (the source of truth, docs/fleet.md
+"What each adapter should serve"): every command that moves the alias writes both in one
+transaction under this lock, and `drift` lists where they differ (`pipeline fleet status`).
+
 Errors: `UsageError` for a file that is not valid JSON or not this schema (names the file);
 `LockedError` (exit 3) when another fleet operation holds the lock past the timeout.
 """
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.artifacts.atomic import write_json_atomic
-from pipeline.errors import LockedError, UsageError
+from pipeline.artifacts.locks import file_lock
+from pipeline.artifacts.volume import os_failure
+from pipeline.errors import UsageError
 
 STATE_FILE = "fleet-state.json"
 LOCK_FILE = ".fleet-state.lock"
@@ -60,6 +66,13 @@ class FleetState:
         hist = [v for v in entry.get("history", []) if v != int(version)] + [int(version)]
         entry["history"] = hist[-HISTORY_MAX:]
 
+    def restore(self, name: str, entry: dict | None) -> None:
+        """Put `name`'s entry back exactly as it was (None: no entry), e.g. when a transaction is undone."""
+        if entry is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = dict(entry)
+
     def previous(self, name: str) -> int | None:
         """The version desired before the current one, or None."""
         entry = self.adapters.get(name) or {}
@@ -84,6 +97,12 @@ def load_state(volume: Path) -> FleetState:
         return FleetState()
     try:
         data = json.loads(p.read_text())
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{p}: not a text file (byte {e.start} is not UTF-8); restore it or delete it and publish again"
+        ) from e
+    except OSError as e:
+        raise UsageError(f"{p}: cannot read the desired state: {e.strerror or e}") from e
     except json.JSONDecodeError as e:
         raise UsageError(
             f"{p}: not valid JSON ({e.msg} at line {e.lineno}); restore it or delete it and publish again"
@@ -107,28 +126,69 @@ def load_state(volume: Path) -> FleetState:
 
 def save_state(volume: Path, state: FleetState) -> None:
     """Write atomically; call only while holding `fleet_lock(volume)`."""
-    Path(volume).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(state_path(volume), state.to_dict())
+    try:
+        Path(volume).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(state_path(volume), state.to_dict())
+    except OSError as e:
+        raise os_failure(e, "cannot write the desired state", state_path(volume)) from e
 
 
 @contextlib.contextmanager
 def fleet_lock(volume: Path, timeout_s: float):
     """Hold the volume's fleet lock (a `filelock` file lock) for a whole fleet operation.
 
-    Raises LockedError after `timeout_s` seconds of waiting.
+    Re-entrant within a thread (`pipeline.artifacts.locks.file_lock`): a publish transaction
+    holds it around the rollout, the desired-state write and the alias moves, and the rollout
+    may take it again. Raises LockedError after `timeout_s` seconds of waiting, VolumeError when
+    the lock file cannot be created.
     """
-    from filelock import FileLock, Timeout
-
-    Path(volume).mkdir(parents=True, exist_ok=True)
-    path = Path(volume) / LOCK_FILE
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=timeout_s)
-    except Timeout as e:
-        raise LockedError(
-            f"{path}: another fleet operation (publish, sync or rollback) holds the lock; waited {timeout_s:.0f} s"
-        ) from e
-    try:
+    with file_lock(
+        Path(volume) / LOCK_FILE, timeout_s, "another fleet operation (publish, sync, rollback or prune)"
+    ):
         yield
-    finally:
-        lock.release()
+
+
+# -- drift: the desired state against the `production` alias it is derived from ------------------
+@dataclass
+class Drift:
+    """An adapter whose desired state (this file) and `production` alias disagree."""
+
+    adapter: str
+    desired: int | None  # fleet-state.json
+    production: int | None  # the MLflow alias
+    message: str
+
+
+def drift(state: FleetState, production: dict[str, int | None]) -> list[Drift]:
+    """Adapters where `state` and the `production` alias ({adapter: version or None}) differ.
+
+    The `production` alias is the source of truth for what an adapter should serve; this file is
+    its copy on the volume, written in the same transaction (`pipeline.release.transaction`), so
+    the two differ only when something moved one without the other: the alias moved in the MLflow
+    UI with no follower running, a transaction interrupted (completed by the next command on that
+    adapter), or a volume written by an older pipeline. Adapters absent from both are not listed.
+    """
+    out = []
+    for name in sorted(set(state.adapters) | {n for n, v in production.items() if v is not None}):
+        want, have = production.get(name), state.version(name)
+        if want == have:
+            continue
+        if want is None:
+            msg = (
+                f"{name}: fleet-state.json desires v{have} but no version has the `production` alias: "
+                f"publish or roll back {name} to set both"
+            )
+        elif have is None:
+            msg = (
+                f"{name}: `production` is v{want} but fleet-state.json has no entry: ship it with "
+                f"`pipeline publish {name} --version {want}` (or `pipeline fleet sync --follow-alias production`)"
+            )
+        else:
+            msg = (
+                f"{name}: `production` is v{want} but fleet-state.json desires v{have}: the fleet converges "
+                f"on v{have}; ship v{want} with `pipeline publish {name} --version {want}` (or "
+                f"`pipeline fleet sync --follow-alias production`), or move the alias back with "
+                f"`pipeline rollback {name} --to {have}`"
+            )
+        out.append(Drift(name, have, want, msg))
+    return out

@@ -25,7 +25,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pipeline import registry
 from pipeline.artifacts.volume import version_dir
 from pipeline.config import ProjectConfig
-from pipeline.errors import CheckFailed, PipelineError, UsageError
+from pipeline.errors import (
+    CheckFailed,
+    FleetError,
+    LockedError,
+    PipelineError,
+    StoreError,
+    UsageError,
+    VolumeError,
+)
+from pipeline.fleet.state import load_state
 from pipeline.release.publish import publish
 
 SIGNATURE_HEADER = "X-MLflow-Signature"
@@ -35,6 +44,9 @@ MAX_SKEW_S = 300  # reject webhook deliveries older (or newer) than this: replay
 
 
 SHIP_EVENTS = ("publish", "rollback")
+# Failures of the environment, not of the version: retried at the next poll (StoreError and
+# VolumeError are UsageErrors, so they are caught before the permanent ones).
+TRANSIENT = (StoreError, VolumeError, LockedError, FleetError)
 
 
 def _ship_history(cfg: ProjectConfig, name: str) -> list[int]:
@@ -49,37 +61,30 @@ def _ship_history(cfg: ProjectConfig, name: str) -> list[int]:
 
 
 def _already_shipped(cfg: ProjectConfig, name: str, version: int) -> bool:
-    """On the volume and the last version shipped (so a move made while nobody followed counts)."""
+    """`version` is what the fleet was told to serve (desired state) and is on the volume.
 
+    A volume written by an older pipeline may lack the desired-state entry: then the last version
+    shipped according to the registry's events counts.
+    """
     if not version_dir(cfg.volume.path, name, version).is_dir():
         return False
+    desired = load_state(cfg.volume.path).version(name)
+    if desired is not None:
+        return desired == version
     history = _ship_history(cfg, name)
     return bool(history) and history[-1] == version
 
 
-def _last_published(cfg: ProjectConfig, name: str, other_than: int) -> int | None:
-    """The last version shipped other than `other_than`, if any."""
-    return next((v for v in reversed(_ship_history(cfg, name)) if v != other_than), None)
-
-
-def ship(cfg: ProjectConfig, name: str, version: int, alias: str, previous: int | None):
+def ship(cfg: ProjectConfig, name: str, version: int, alias: str):
     """Publish `name` v`version` because `alias` points at it; returns `publish.Published`.
 
-    Goes through `pipeline.release.publish.publish` (volume, fleet rollout when instances are
-    configured, `production` alias, publish event). Following `production`: `previous` is set
-    to the version shipped before (`publish` cannot see it: the alias had already moved), and if
-    the alias moved again while this publish ran, it is put back where the user moved it, so the
-    next poll ships that one instead of this publish silently undoing the move.
+    One publish transaction (`pipeline.release.publish.publish`: volume, fleet, desired state,
+    aliases, event, all under the adapter's lock). Following `production`, the alias already
+    points at `version`, so `previous` becomes the version the fleet served before (the desired
+    state); if the alias moves again while this publish runs, it is left where it was moved and
+    the next poll ships that version.
     """
-
-    pub = publish(cfg, name, version=version)
-    if alias == registry.ALIAS_PRODUCTION:
-        moved_to = pub.previous_production
-        if moved_to is not None and moved_to != version:
-            registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, moved_to)
-        if previous is not None and previous != version:
-            registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, previous)
-    return pub
+    return publish(cfg, name, version=version, follow=alias == registry.ALIAS_PRODUCTION)
 
 
 def follow_alias(
@@ -107,9 +112,11 @@ def follow_alias(
         stop: set it to end the loop (checked at least every 0.2 s).
         wake: set it to poll now (the webhook receiver does).
 
-    On start a version already on the volume counts as shipped (no re-publish). A version that
-    fails its checks (validation not passed, unknown) is reported once and skipped until the
-    alias moves again; other errors (registry unreachable) are reported and retried next poll.
+    A version the desired state already names counts as shipped (no re-publish); so the follower
+    also repairs drift between `production` and `fleet-state.json`. A version that fails its
+    checks (validation not passed, unknown) is reported once and skipped until the alias moves
+    again; other errors (registry unreachable, volume full, fleet not converged) are reported and
+    retried next poll, and with `once` raised after the pass (a one-shot job must fail).
     Returns the list of `Published` (useful with `once=True`).
     """
 
@@ -121,33 +128,38 @@ def follow_alias(
     shipped: list = []
     while not stop.is_set():
         wake.clear()
+        failed: list[BaseException] = []  # transient failures of this pass
         try:
             todo = names or registry.model_names(cfg)
         except Exception as e:  # registry unreachable: try again next poll
             echo(f"follow {alias}: cannot list models: {e}")
+            failed.append(e)
             todo = []
         for name in todo:
             try:
                 v = registry.alias_version(cfg, name, alias)
             except Exception as e:
                 echo(f"follow {alias}: {name}: cannot read alias: {e}")
+                failed.append(e)
                 continue
             if v is None or seen.get(name) == v:
                 continue
-            if name not in seen and _already_shipped(cfg, name, v):
+            if _already_shipped(cfg, name, v):
                 seen[name] = v
                 continue
-            prev = seen.get(name)
-            if prev is None and alias == registry.ALIAS_PRODUCTION:
-                prev = _last_published(cfg, name, v)
             try:
-                pub = ship(cfg, name, v, alias, prev)
+                pub = ship(cfg, name, v, alias)
+            except TRANSIENT as e:
+                echo(f"follow {alias}: {name} v{v}: publish failed, retrying next poll: {e}")
+                failed.append(e)
+                continue
             except (CheckFailed, UsageError) as e:
                 echo(f"follow {alias}: {name} v{v} not published: {e}")
                 seen[name] = v  # permanent for this version: wait for the alias to move again
                 continue
             except (PipelineError, Exception) as e:  # noqa: B014 - transient: retry next poll
                 echo(f"follow {alias}: {name} v{v}: publish failed, retrying next poll: {e}")
+                failed.append(e)
                 continue
             seen[name] = v
             shipped.append(pub)
@@ -157,6 +169,8 @@ def follow_alias(
         if on_poll is not None:
             on_poll()
         if once:
+            if failed:  # one pass (cron, a CI step): a registry or fleet failure is the job's failure
+                raise failed[0]
             break
         deadline = time.monotonic() + interval_s
         while not stop.is_set() and not wake.is_set() and time.monotonic() < deadline:

@@ -1,9 +1,13 @@
 """`pipeline run`: the unattended retraining job a scheduler calls (cron, systemd, CronJob, Slurm).
 
 Safe to start twice (per-adapter lock: the second exits at once with code 3), safe to kill
-(the training directory is keyed by the input fingerprint, so the next run resumes from the
-last checkpoint through axolotl's resume support), skips work that changes nothing (same
-fingerprint as a registered version: status `skipped`), and ships only what passes
+at any point: the training directory is keyed by the input fingerprint, so the next run resumes
+from the last checkpoint through axolotl's resume support; a finished adapter is registered
+once (a version with the same weights is reused); a version registered from these inputs but
+never published (killed between register and publish, or gated before) goes through the gates
+and publish again instead of being skipped; a publish killed half-way is completed by the
+publish transaction (`pipeline.release.transaction`). Skips work that changes nothing (a version
+with the same fingerprint that was published: status `skipped`), and ships only what passes
 the gates (validation passed; eval loss not worse than production's by more than
 `run.eval_loss_margin`).
 
@@ -21,10 +25,12 @@ from pathlib import Path
 
 from pipeline import registry
 from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
 from pipeline.release.publish import publish
+from pipeline.release.transaction import checkpoint
 from pipeline.train.config import load_training_config
 from pipeline.train.launch import base_fingerprint, check_inputs, train
 from pipeline.validate import validate_with_config
@@ -55,18 +61,37 @@ def fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _registered_with(cfg: ProjectConfig, name: str, fp: str) -> int | None:
-    """The newest version of `name` trained from inputs with fingerprint `fp`, or None.
+def _versions(cfg: ProjectConfig, name: str) -> list:
+    try:
+        return registry.versions(cfg, name)
+    except UsageError:  # no such model yet
+        return []
+
+
+def _registered_with(cfg: ProjectConfig, name: str, fp: str):
+    """The newest version of `name` trained from inputs with fingerprint `fp` (a ModelVersion), or None.
 
     Any version counts, not only the latest: the same inputs again (e.g. after a manual
     registration in between) would only re-register an identical adapter.
     """
+    return next((v for v in _versions(cfg, name) if (v.tags or {}).get(FINGERPRINT_TAG) == fp), None)
 
-    try:
-        vs = registry.versions(cfg, name)
-    except UsageError:  # no such model yet
+
+def _registered_weights(cfg: ProjectConfig, name: str, weights_sha256: str):
+    """The newest version of `name` holding exactly these weights, or None (a run killed after register)."""
+    if not weights_sha256:
         return None
-    return next((int(v.version) for v in vs if (v.tags or {}).get(FINGERPRINT_TAG) == fp), None)
+    return next(
+        (v for v in _versions(cfg, name) if (v.tags or {}).get("weights_sha256") == weights_sha256), None
+    )
+
+
+def _shipped(mv) -> bool:
+    """The version was published (or rolled back to) at least once."""
+    tags = mv.tags or {}
+    return "published.time" in tags or any(
+        e.get("type") in ("publish", "rollback") for e in registry.events(mv)
+    )
 
 
 def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float | None) -> str | None:
@@ -85,6 +110,39 @@ def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float |
     if eval_loss > float(prod_loss) + margin:
         return f"eval_loss {eval_loss:.4f} is worse than production v{prod}'s {float(prod_loss):.4f} by more than {margin}"
     return None
+
+
+def _ship(
+    cfg: ProjectConfig,
+    name: str,
+    version: int,
+    verdict: str,
+    eval_loss: float | None,
+    out: RunOutcome,
+    seconds: dict[str, float],
+) -> RunOutcome:
+    """Gate `version` (validation, eval loss, canary), then publish it. Raises GateFailed when held back."""
+    why = _gate(cfg, name, verdict, eval_loss)
+    if not why and cfg.canary.staging_url:
+        # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
+        # version; publish's canary gate then reads it (pipeline/canary).
+        t = time.time()
+        _, res = canary_version(cfg, name, version=version)
+        seconds["canary"] = time.time() - t
+        if res.verdict != "pass":
+            why = "canary failed: " + "; ".join(res.problems)[:500]
+    if why:
+        out.status, out.reason = "gated", why
+        raise GateFailed(f"{name} v{version} stays `candidate`: {why}", outcome=out)
+    t = time.time()
+    try:
+        pub = publish(cfg, name, version=version)
+    except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
+        out.status, out.reason = "gated", str(e)
+        raise GateFailed(f"{name} v{version} stays `candidate`: {e}", outcome=out) from None
+    seconds["publish"] = time.time() - t
+    out.status, out.published = "published", str(pub.path)
+    return out
 
 
 def run(
@@ -110,8 +168,11 @@ def run(
 
     t0 = time.time()
     seconds: dict[str, float] = {}
+    name = check_name(
+        name or default_name(Path(config_path).stem),
+        "adapter name (--name, default: from the config file name)",
+    )
     tc = load_training_config(Path(config_path), list(overrides), list(overlays))
-    name = name or Path(config_path).stem
     # The lock comes first, so a second concurrent run exits at once, before any slow check.
     lock_dir = cfg.state_dir / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +182,7 @@ def run(
     except Timeout:
         raise LockedError(f"another `pipeline run` for {name!r} holds {lock.lock_file}; exiting") from None
     try:
+        registry.check_store(cfg)  # a store that cannot be used fails now, before training
         ds = check_inputs(cfg, tc, set(allow))
         base = str(tc.data.get("base_model"))
         fp = fingerprint(
@@ -135,10 +197,28 @@ def run(
         seconds["check"] = time.time() - t0
         out = RunOutcome("failed", name, fp, seconds=seconds)
         same = None if force else _registered_with(cfg, name, fp)
-        if same is not None:
-            out.status, out.version = "skipped", same
-            out.reason = f"inputs unchanged: version {same} was trained from them (--force retrains)"
+        if same is not None and _shipped(same):
+            out.status, out.version = "skipped", int(same.version)
+            out.reason = f"inputs unchanged: version {same.version} was trained from them (--force retrains)"
             return out
+        if same is not None:
+            # Registered from these inputs, never published: a run killed between register and
+            # publish, or a candidate a gate held back. Gate and publish it now; never skip it.
+            tags = same.tags or {}
+            echo(
+                f"v{same.version} was registered from these inputs but never published: gating and publishing it"
+            )
+            out.version, out.run_id = int(same.version), same.run_id
+            loss = tags.get("eval_loss")
+            return _ship(
+                cfg,
+                name,
+                int(same.version),
+                tags.get("validation.verdict", "unknown"),
+                float(loss) if loss not in (None, "") else None,
+                out,
+                seconds,
+            )
         run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
         t = time.time()
         if (run_dir / "adapter" / MANIFEST).exists() and not force:
@@ -167,33 +247,26 @@ def run(
         seconds["validate"] = time.time() - t
 
         t = time.time()
-        reg = registry.register_adapter(cfg, adapter_dir, name, report.to_dict())
-        registry.set_version_tags(cfg, name, reg.version, {FINGERPRINT_TAG: fp})
-        out.version = reg.version
+        again = (
+            None
+            if force
+            else _registered_weights(
+                cfg, name, manifest.get("files", {}).get("adapter_model.safetensors", "")
+            )
+        )
+        if again is not None:  # registered by a run killed before it could tag the fingerprint
+            version = int(again.version)
+            echo(f"reusing v{version}: already registered with these weights")
+        else:
+            version = registry.register_adapter(cfg, adapter_dir, name, report.to_dict()).version
+        checkpoint("run-after-register")
+        registry.set_version_tags(cfg, name, version, {FINGERPRINT_TAG: fp})
+        checkpoint("run-after-tag")
+        out.version = version
         seconds["register"] = time.time() - t
-
-        why = _gate(cfg, name, report.verdict, manifest.get("metrics", {}).get("eval_loss"))
-        if not why and cfg.canary.staging_url:
-            # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
-            # version; publish's canary gate then reads it (pipeline/canary.py).
-            t = time.time()
-
-            _, res = canary_version(cfg, name, version=reg.version)
-            seconds["canary"] = time.time() - t
-            if res.verdict != "pass":
-                why = "canary failed: " + "; ".join(res.problems)[:500]
-        if why:
-            out.status, out.reason = "gated", why
-            raise GateFailed(f"{name} v{reg.version} stays `candidate`: {why}", outcome=out)
-        t = time.time()
-        try:
-            pub = publish(cfg, name, version=reg.version)
-        except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
-            out.status, out.reason = "gated", str(e)
-            raise GateFailed(f"{name} v{reg.version} stays `candidate`: {e}", outcome=out) from None
-        seconds["publish"] = time.time() - t
-        out.status, out.published = "published", str(pub.path)
-        return out
+        return _ship(
+            cfg, name, version, report.verdict, manifest.get("metrics", {}).get("eval_loss"), out, seconds
+        )
     finally:
         seconds["total"] = time.time() - t0
         lock.release()

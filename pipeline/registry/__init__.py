@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from pipeline.registry.events import EVENT_TAG_PREFIX, events, record_event, rollback_aliases
 from pipeline.registry.runs import finish_training_run, reopen_training_run, start_training_run
-from pipeline.registry.store import artifact_location, client, experiment_id, is_server_uri, mlflow_for
+from pipeline.registry.store import (
+    artifact_location,
+    as_store_error,
+    check_store,
+    client,
+    experiment_id,
+    is_server_uri,
+    mlflow_for,
+    redact_uri,
+    store_exists,
+    store_identity,
+)
 from pipeline.registry.versions import (
     ALIAS_CANDIDATE,
     ALIAS_PREVIOUS,
@@ -22,6 +33,7 @@ from pipeline.registry.versions import (
     alias_version,
     aliases,
     download_version,
+    model_exists,
     model_names,
     register_adapter,
     resolve_version,
@@ -42,6 +54,8 @@ __all__ = [
     "alias_version",
     "aliases",
     "artifact_location",
+    "as_store_error",
+    "check_store",
     "client",
     "download_version",
     "events",
@@ -49,8 +63,10 @@ __all__ = [
     "finish_training_run",
     "is_server_uri",
     "mlflow_for",
+    "model_exists",
     "model_names",
     "record_event",
+    "redact_uri",
     "register_adapter",
     "reopen_training_run",
     "resolve_version",
@@ -58,6 +74,8 @@ __all__ = [
     "set_alias",
     "set_version_tags",
     "start_training_run",
+    "store_exists",
+    "store_identity",
     "version_tags",
     "versions",
 ]

@@ -28,7 +28,7 @@ _SUMMARY_PREFIX = {"publish": "published"}
 _SUMMARY_FIELDS = ("time", "path", "instances", "from_version", "to_version")
 
 
-def record_event(cfg: ProjectConfig, name: str, version: int, event: dict) -> dict:
+def record_event(cfg: ProjectConfig, name: str, version: int, event: dict, txn: str | None = None) -> dict:
     """Record what happened to version `version` of `name` (publish, rollout, rollback...).
 
 
@@ -46,6 +46,10 @@ def record_event(cfg: ProjectConfig, name: str, version: int, event: dict) -> di
         type `publish` uses `published.`, matching `pipeline.release.publish`). Lists are joined with ",".
 
 
+    `txn`: the id of the transaction recording it (`pipeline.release.transaction`); stored as the
+    event's `txn`, and an event of the same type and `txn` already on the version is not recorded
+    again (a transaction completed after a crash records each event once).
+
     Returns the stored event. Raises UsageError: no `type`, or the version does not exist.
     """
     import datetime as dt
@@ -58,11 +62,17 @@ def record_event(cfg: ProjectConfig, name: str, version: int, event: dict) -> di
         raise UsageError(f"record_event: event needs a 'type' like 'publish' or 'rollout' (got {etype!r})")
     now = dt.datetime.now(dt.UTC)
     stored = {"time": now.isoformat(timespec="seconds"), **event}
+    if txn:
+        stored["txn"] = txn
     client = mlflow_for(cfg).MlflowClient()
     try:
-        client.get_model_version(name, str(version))
+        mv = client.get_model_version(name, str(version))
     except MlflowException as e:
         raise UsageError(f"record_event: {name} version {version} not found in {cfg.tracking_uri}") from e
+    if txn:
+        for e in events(mv):
+            if e.get("txn") == txn and e.get("type") == etype:
+                return e
     stamp = now.strftime("%Y%m%dT%H%M%S.%f")
     tags = {f"{EVENT_TAG_PREFIX}{stamp}Z.{etype}": json.dumps(stored, sort_keys=True, default=str)}
     prefix = _SUMMARY_PREFIX.get(etype, etype)
@@ -92,8 +102,9 @@ def rollback_aliases(
     """Move `production` back to `to_version` (default: the `previous` alias); record the events.
 
 
-    Only the registry: the volume directory must already exist and the fleet is switched by the
-    caller (`pipeline rollback`, pipeline/fleet/rollout.py). `previous` then points at the
+    Only the registry: the volume's desired state and the fleet do not move, so `pipeline fleet
+    status` reports drift until they do. The `pipeline rollback` command is
+    `pipeline.release.rollback.rollback`, one transaction over all of them. `previous` then points at the
     version rolled back from, so `previous` is always "what production replaced". Events:
     `rollback` on the target (`from_version`, plus `facts`, e.g. `instances=[...]` that
     confirmed) and `rolled_back` on the version it replaced (`to_version`).

@@ -1,25 +1,209 @@
-"""The MLflow store: imported lazily (~2 s), pointed at the project's tracking URI, initialised once.
+"""The MLflow store: checked first, imported lazily (~2 s), pointed at the project's tracking URI, initialised once.
 
 Concurrent first-time schema creation corrupts a sqlite store (docs/registry.md, "Measured"), so
 the store is initialised once under a file lock before anything else touches it.
+
+Before MLflow is imported, `check_store` makes sure the store can be used at all, within
+`registry.connect_timeout_s` seconds, and says what is wrong and which store (`StoreError`,
+exit 2) instead of MLflow's retries (a closed port took 251 s: 7 retries with backoff factor 2)
+and tracebacks:
+  - sqlite: the database file was deleted after the project created it (MLflow would silently
+    create an empty one and version numbers would start again at 1), is locked by another
+    process, or is not a database;
+  - http(s) tracking server, PostgreSQL/MySQL: the host does not accept connections, or the
+    server does not answer `/health`;
+  - a file store (`./mlruns`, `file:`): MLflow >= 3.14 refuses it unless
+    `MLFLOW_ALLOW_FILE_STORE=true` (mlflow/store/tracking/file_store.py).
+`as_store_error` turns MLflow/SQLAlchemy/HTTP exceptions met later into `StoreError`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+import sqlite3
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
 from pipeline.config import ProjectConfig
+from pipeline.errors import StoreError
+
+# MLflow's HTTP client retries 7 times with backoff factor 2 (~4 minutes) by default; a pipeline
+# command should fail within seconds. The user's environment still wins.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+}
+_checked: set[str] = set()
+_last_uri: list[str] = []
+
+
+def redact_uri(uri: str) -> str:
+    """`scheme://user:pass@host/...` -> `scheme://***@host/...` (for messages and manifests)."""
+    return re.sub(r"://[^/@]+@", "://***@", uri)
+
+
+def _marker(cfg: ProjectConfig, uri: str) -> Path:
+    return cfg.state_dir / f".mlflow-init-{_uri_key(uri)}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    rest = uri.split(":", 1)[1].removeprefix("///")
+    rest = rest.split("?", 1)[0]
+    if not rest or rest == ":memory:":
+        return None
+    return Path(rest if rest.startswith("/") else os.path.abspath(rest))
+
+
+def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float) -> None:
+    path = _sqlite_path(uri)
+    if path is None:
+        return
+    marker = _marker(cfg, uri)
+    if not path.exists():
+        if marker.exists():
+            raise StoreError(
+                f"the MLflow database {path} is gone, but this project created it before ({marker}): "
+                f"MLflow would silently start an empty registry whose version numbers collide with the "
+                f"published ones. Restore the file from a backup; or, to start a new empty registry on "
+                f"purpose, delete {marker} (published versions from the old registry are then refused "
+                f"by `publish`, which checks where each version directory came from)"
+            )
+        return
+    if path.is_dir():
+        raise StoreError(f"the MLflow database {path} is a directory, not a sqlite file")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout_s)
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot open the MLflow database {path}: {e}") from e
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        conn.execute("BEGIN IMMEDIATE")  # takes the write lock: another process holding it blocks us
+        conn.rollback()
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e) or "busy" in str(e):
+            raise StoreError(
+                f"the MLflow database {path} is locked by another process (waited {timeout_s:.0f} s, "
+                f"registry.connect_timeout_s): find it with `fuser {path}` and let it finish"
+            ) from e
+        if "readonly" in str(e) or "read-only" in str(e):
+            raise StoreError(f"the MLflow database {path} is read-only here: {e}") from e
+        raise StoreError(f"the MLflow database {path} cannot be used: {e}") from e
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path} is not an MLflow sqlite database ({e}); check MLFLOW_TRACKING_URI") from e
+    finally:
+        conn.close()
+
+
+def _check_tcp(uri: str, host: str | None, port: int, timeout_s: float) -> None:
+    if not host:
+        return
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise StoreError(
+            f"the MLflow store {redact_uri(uri)} is unreachable: {host}:{port} {why} "
+            f"(within {timeout_s:.0f} s, registry.connect_timeout_s); is the server running, and is "
+            f"MLFLOW_TRACKING_URI / registry.tracking_uri right?"
+        ) from e
+
+
+def _check_http(uri: str, timeout_s: float) -> None:
+    u = urllib.parse.urlparse(uri)
+    _check_tcp(uri, u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout_s)
+    health = urllib.parse.urlunparse((u.scheme, u.netloc, u.path.rstrip("/") + "/health", "", "", ""))
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s) as r:
+            r.read(64)
+    except urllib.error.HTTPError:
+        return  # it answers HTTP (a proxy may guard /health): MLflow's own errors will be specific
+    except (OSError, ValueError) as e:
+        raise StoreError(
+            f"the MLflow tracking server {redact_uri(uri)} does not answer ({type(e).__name__}: {e}) "
+            f"within {timeout_s:.0f} s (registry.connect_timeout_s)"
+        ) from e
+
+
+def _check_uri(cfg: ProjectConfig, uri: str) -> None:
+    timeout_s = cfg.registry.connect_timeout_s
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    db = scheme.split("+", 1)[0]
+    if db == "sqlite":
+        _check_sqlite(cfg, uri, timeout_s)
+    elif scheme in ("http", "https"):
+        _check_http(uri, timeout_s)
+    elif db in ("postgresql", "postgres", "mysql", "mssql"):
+        u = urllib.parse.urlparse(uri)
+        default = {"mysql": 3306, "mssql": 1433}.get(db, 5432)
+        _check_tcp(uri, u.hostname, u.port or default, timeout_s)
+    elif scheme in ("", "file") or len(scheme) == 1:
+        allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("1", "true", "yes")
+        if not allowed:
+            raise StoreError(
+                f"the MLflow store {uri!r} is a file store, which MLflow >= 3.14 refuses (maintenance "
+                f"mode): use a database, e.g. MLFLOW_TRACKING_URI=sqlite:///mlflow.db (unset it to use "
+                f"the project's {cfg.state_dir}/mlflow.db); migrate old data with `mlflow migrate-filestore`, "
+                f"or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
+            )
+
+
+def store_exists(cfg: ProjectConfig) -> bool:
+    """False only for an embedded sqlite store whose file does not exist yet (nothing registered)."""
+    uri = cfg.tracking_uri
+    if uri.startswith("sqlite:") and (p := _sqlite_path(uri)) is not None:
+        return p.exists()
+    return True
+
+
+def check_store(cfg: ProjectConfig) -> None:
+    """Make sure the tracking (and registry) store can be used; once per store and process.
+
+    Writes nothing (a sqlite file that does not exist yet is fine: MLflow creates it). Raises
+    StoreError naming the store, what is wrong and how to fix it, within about
+    `registry.connect_timeout_s` seconds.
+    """
+    uris = [cfg.tracking_uri] + ([cfg.registry.registry_uri] if cfg.registry.registry_uri else [])
+    for uri in uris:
+        if uri in _checked:
+            continue
+        _check_uri(cfg, uri)
+        _checked.add(uri)
+
+
+def as_store_error(exc: BaseException, uri: str | None = None) -> StoreError | None:
+    """`exc` (raised by MLflow, SQLAlchemy or the HTTP stack) as a StoreError naming the store, else None."""
+    mod = type(exc).__module__ or ""
+    if not mod.startswith(("mlflow", "sqlalchemy", "sqlite3", "requests", "urllib3", "psycopg2", "pymysql")):
+        return None
+    uri = uri or (_last_uri[-1] if _last_uri else "the MLflow store")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "database is locked" in str(exc):
+        return StoreError(
+            f"the MLflow store {redact_uri(uri)} is locked by another process (sqlite 'database is locked'); "
+            f"let it finish and run the command again"
+        )
+    return StoreError(f"the MLflow store {redact_uri(uri)} failed: {type(exc).__name__}: {text[:500]}")
 
 
 def mlflow_for(cfg: ProjectConfig):
     """Import mlflow pointed at the project's store, initialised once under a lock."""
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    for k, v in HTTP_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    uri = cfg.tracking_uri
+    check_store(cfg)  # before the ~2 s import, and before MLflow creates or retries anything
+    _last_uri[:] = [uri]
     import mlflow
     from filelock import FileLock
 
-    uri = cfg.tracking_uri
     # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI, which `ProjectConfig.tracking_uri`
     # prefers over the config file: the next config in this process (or any child, e.g. a test's
     # `pipeline register`) would silently use this store. Keep the environment as it was.
@@ -31,14 +215,35 @@ def mlflow_for(cfg: ProjectConfig):
         os.environ["MLFLOW_TRACKING_URI"] = env_before
     if cfg.registry.registry_uri:
         mlflow.set_registry_uri(cfg.registry.registry_uri)
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    marker = cfg.state_dir / f".mlflow-init-{_uri_key(uri)}"
+    try:
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create the state directory {cfg.state_dir}: {e.strerror or e}") from e
+    marker = _marker(cfg, uri)
     if not marker.exists():
         with FileLock(str(cfg.state_dir / "mlflow-init.lock"), timeout=300):
             if not marker.exists():
                 ensure_experiment(cfg, mlflow)  # creates the schema and the experiment
                 marker.write_text(uri + "\n")
+    elif uri.startswith("sqlite:") and (p := _sqlite_path(uri)) is not None and not p.exists():
+        raise StoreError(f"the MLflow database {p} disappeared while this command ran")
     return mlflow
+
+
+def store_identity(cfg: ProjectConfig) -> dict:
+    """Which registry this is: {"tracking_uri" (redacted), "experiment_id", "experiment_created" (ms)}.
+
+    The project experiment's id and creation time differ between a store and one recreated at the
+    same URI (a deleted sqlite file, a new database), so a version directory that records them
+    can tell a new "v1" from the one it was published from.
+    """
+    mlflow = mlflow_for(cfg)
+    exp = mlflow.MlflowClient().get_experiment_by_name(cfg.registry.experiment)
+    return {
+        "tracking_uri": redact_uri(cfg.tracking_uri),
+        "experiment_id": exp.experiment_id if exp else None,
+        "experiment_created": getattr(exp, "creation_time", None) if exp else None,
+    }
 
 
 def _uri_key(uri: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifacts.manifest import read_manifest, verify_files
+from pipeline.artifacts.names import check_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
@@ -129,6 +130,7 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
         RegistryError: the directory has no manifest.json (train it with `pipeline train`).
     """
 
+    check_name(name)  # the grammar (exit 2) before anything is read or written
     adapter_dir = Path(adapter_dir)
     try:
         manifest = read_manifest(adapter_dir)
@@ -136,6 +138,8 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
         raise RegistryError(
             f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
         ) from e
+    except (ValueError, OSError) as e:  # not JSON, not a manifest, unreadable
+        raise RegistryError(f"{adapter_dir}: unusable manifest.json ({e}); nothing registered") from e
     # The lineage on the version is the manifest's: refuse files that are not what it describes.
     problems = verify_files(adapter_dir, manifest.get("files", {}))
     if problems:

@@ -4,37 +4,44 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import registry
 from pipeline.artifacts.atomic import rmtree
-from pipeline.artifacts.volume import VERSION_RE, version_name
+from pipeline.artifacts.names import check_name
+from pipeline.artifacts.volume import os_failure, parse_version_name, version_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import FleetError, UsageError
 from pipeline.fleet.client import InstanceClient
 from pipeline.fleet.instances import InstanceReport, each_instance, failure, instance_path
 from pipeline.fleet.state import fleet_lock, load_state
+from pipeline.release.transaction import adapter_transaction
 
 
 def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list[Path]:
-    """Delete `<volume>/<NAME>-v<K>` directories beyond the newest `keep`, never the desired version.
+    """Delete `<volume>/<NAME>-v<K>` directories beyond the newest `keep`, never the desired or production version.
 
 
-    Unloads the pruned version names from the instances first. Refuses (FleetError) when an
-    instance still serves a version to prune or is unreachable (unless `force`).
-    Returns the deleted directories.
+    Runs as a transaction on `name` (its lock, after finishing what a killed publish or rollback
+    left), then under the fleet lock. Unloads the pruned version names from the instances first.
+    Refuses (FleetError) when an instance still serves a version to prune or is unreachable
+    (unless `force`). Returns the deleted directories.
     """
+    check_name(name)
     if keep < 1:
         raise UsageError("--keep must be at least 1")
     vol = Path(cfg.volume.path)
-    with fleet_lock(vol, cfg.fleet.lock_timeout_s):
-        desired = load_state(vol).version(name)
+    with adapter_transaction(cfg, name), fleet_lock(vol, cfg.fleet.lock_timeout_s):
+        protected = {load_state(vol).version(name)}
+        if registry.model_exists(cfg, name):
+            protected.add(registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION))
         versions = sorted(
             (
-                int(m["version"])
+                parsed[1]
                 for p in vol.iterdir()
-                if p.is_dir() and (m := VERSION_RE.match(p.name)) and m["name"] == name
+                if p.is_dir() and (parsed := parse_version_name(p.name)) and parsed[0] == name
             ),
             reverse=True,
         )
-        doomed = [v for v in versions[keep:] if v != desired]
+        doomed = [v for v in versions[keep:] if v not in protected]
         if not doomed:
             return []
         doomed_paths = {instance_path(cfg, name, v) for v in doomed}
@@ -61,6 +68,11 @@ def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list
         removed = []
         for v in doomed:
             d = vol / version_name(name, v)
-            rmtree(d)
+            try:
+                rmtree(d)
+                if d.exists():
+                    raise PermissionError(13, "some files could not be removed")
+            except OSError as e:
+                raise os_failure(e, "cannot delete", d) from e
             removed.append(d)
         return removed

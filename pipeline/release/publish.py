@@ -1,18 +1,26 @@
-"""Publish a registered adapter version to the adapter volume, atomically and immutably.
+"""Publish a registered adapter version to the adapter volume and the fleet, as one transaction.
 
 Layout: `<volume>/<NAME>-v<N>/` (one directory per version, never modified after creation:
 vLLM's filesystem resolver never re-reads a loaded adapter, and an in-place reload from the
-same path reuses stale prefix-cache KV; docs/vllm.md). Steps:
+same path reuses stale prefix-cache KV; docs/vllm.md). `publish` (and `promote`, the follower,
+`pipeline run`, `pipeline demo`) runs inside `pipeline.release.transaction`: one lock per
+adapter, an intent record, recovery of a killed predecessor. Steps:
 
-1. refuse a version whose validation verdict is not `pass` for the same weights sha256;
-2. download the artifact into `<volume>/.staging/<NAME>-v<N>.<random>/` (same filesystem);
-3. verify every file against the artifact's manifest;
-4. rewrite `base_model_name_or_path` to the fleet's `vllm serve` model string (the original
-   is kept in the manifest), write the updated manifest;
-5. fsync files and directories, `rename` into place (atomic: the version directory either
-   does not exist or is complete).
+1. before anything is written: the name's grammar, the version's validation verdict for its
+   weights and its canary (`pipeline.canary.gate`), a writable volume;
+2. under the adapter lock: finish what a killed transaction left, read the aliases and the
+   desired state, write the intent record;
+3. `materialise`: download the artifact into `<state_dir>/tmp/` (local), verify every file against
+   its manifest, check the volume's free space, copy into `<volume>/.staging/<NAME>/`, rewrite
+   `base_model_name_or_path` to the fleet's `vllm serve` model string (the original is kept in the
+   manifest), record where it came from (`pipeline.release.origin`), fsync, `rename` into place (the
+   version directory either does not exist or is complete). An existing directory is verified
+   against its manifest and its origin instead;
+4. under the fleet lock: the rollout (every instance, or every instance put back and exit 4),
+   then the desired state, `production` and `previous`, the publish event; the record is removed.
 
-A crash leaves only `.staging/` debris, which the next publish removes.
+Staging debris of killed publishes is removed by the next publish of any adapter: an entry of
+`.staging/` whose adapter's lock nobody holds belongs to no live publish.
 """
 
 from __future__ import annotations
@@ -20,25 +28,53 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import registry
 from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree, write_json_atomic
+from pipeline.artifacts.locks import try_lock
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest, verify_files
-from pipeline.artifacts.volume import STAGING, version_dir
+from pipeline.artifacts.names import check_name
+from pipeline.artifacts.volume import (
+    STAGING,
+    adapter_lock_path,
+    check_free_space,
+    check_writable,
+    copy_tree,
+    os_failure,
+    staging_dir,
+    staging_owner,
+    tree_size,
+    verify_version_dir,
+    version_dir,
+)
 from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
-from pipeline.errors import CheckFailed
+from pipeline.errors import CheckFailed, FleetError, UsageError
+from pipeline.fleet.instances import InstanceReport
 from pipeline.fleet.preflight import preflight
-from pipeline.fleet.rollout import rollout
+from pipeline.fleet.state import fleet_lock, load_state
+from pipeline.registry.store import redact_uri
+from pipeline.release.origin import expected_origin, origin_problem
+from pipeline.release.transaction import (
+    Intent,
+    adapter_transaction,
+    advance,
+    checkpoint,
+    clear_intent,
+    commit,
+    fleet_step,
+    incomplete,
+    save_intent,
+)
 from pipeline.validate.publishable import prepare_for_fleet
 
 
 class PublishError(CheckFailed):
-    """The artifact or a volume directory fails its manifest, or the volume cannot be written."""
+    """The artifact or a volume directory fails its manifest or its origin."""
 
 
 @dataclass
@@ -47,9 +83,10 @@ class Published:
     version: int
     path: Path
     created: bool  # False: the version was already on the volume (no-op)
-    previous_production: int | None = None
+    previous_production: int | None = None  # the version this one replaced (now `previous`)
     instances: list[str] = field(default_factory=list)  # fleet instances that confirmed
     warnings: list[str] = field(default_factory=list)  # e.g. the canary measured another served checkpoint
+    reports: list[InstanceReport] = field(default_factory=list, repr=False)
 
 
 def check_publishable(mv, weights_sha256: str) -> None:
@@ -68,30 +105,86 @@ def check_publishable(mv, weights_sha256: str) -> None:
         )
 
 
-def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
-    """Write `<volume>/<name>-v<N>/` from the registry; returns (path, created)."""
+def check_served_name(cfg: ProjectConfig, name: str) -> None:
+    """An adapter must not take the name instances serve the base model under."""
+    if name in (cfg.served_base_name, cfg.served.model):
+        raise UsageError(
+            f"adapter name {name!r} is the name the fleet serves the base model under "
+            f"(served.served_model_name / served.model): requests for it would be ambiguous; rename the adapter"
+        )
 
+
+# -- the volume ---------------------------------------------------------------------------------------
+STALE_UNKNOWN_S = 3600  # `.staging/` entries that name no adapter: removed when this old
+
+
+def clear_debris(root: Path, volume: Path) -> list[Path]:
+    """Remove entries of `root` (`<volume>/.staging` or `<state_dir>/tmp`) left by killed publishes.
+
+    An entry belongs to an adapter (`staging_owner`); it is debris when nobody holds that adapter's
+    lock (a live publish holds it from before it stages until after the rename), so a concurrent
+    publish of another adapter is never disturbed. Entries naming no adapter are removed once an
+    hour old. Returns the removed paths.
+    """
+    removed: list[Path] = []
+    if not Path(root).is_dir():
+        return removed
+    for entry in sorted(Path(root).iterdir()):
+        owner = staging_owner(entry.name)
+        try:
+            if owner is None:
+                if time.time() - entry.lstat().st_mtime > STALE_UNKNOWN_S:
+                    rmtree(entry) if entry.is_dir() else entry.unlink()
+                    removed.append(entry)
+                continue
+            with try_lock(adapter_lock_path(volume, owner)) as free:
+                if free:
+                    rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                    removed.append(entry)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise os_failure(e, "cannot remove staging debris", entry) from e
+    return removed
+
+
+def _rmdir_if_empty(*dirs: Path) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()  # only when empty: a concurrent publish may be staging
+        except OSError:
+            pass
+
+
+def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None) -> tuple[Path, bool]:
+    """Write `<volume>/<name>-v<N>/` from the registry; returns (path, created). Call holding the adapter lock.
+
+    Raises PublishError (the artifact or an existing directory fails its manifest, or the existing
+    directory came from another registry entry: `origin`), CheckFailed (not validated for these
+    weights), VolumeError (read-only, full, permissions: nothing partial is left).
+    """
     name, version = mv.name, int(mv.version)
+    volume = Path(volume)
     target = version_dir(volume, name, version)
     if target.exists():
-        man = target / MANIFEST
-        if not man.exists():
-            raise PublishError(
-                f"{target} exists without {MANIFEST}: not written by the pipeline; move it away"
-            )
-        problems = verify_files(target, read_manifest(target)["files"])
+        problems = verify_version_dir(target, cache=False)
         if problems:
             raise PublishError(
-                f"{target} differs from its manifest (volume tampered?):\n  " + "\n  ".join(problems)
+                f"{target} differs from its manifest (volume tampered?); move it away and publish again:\n  "
+                + "\n  ".join(problems)
             )
+        why = origin_problem(read_manifest(target), origin, str(target)) if origin else None
+        if why:
+            raise PublishError(why)
         return target, False
 
-    staging_root = Path(volume) / STAGING
-    staging_root.mkdir(parents=True, exist_ok=True)
-    _clear_stale_staging(staging_root)
-    work = Path(tempfile.mkdtemp(prefix=f"{name}-v{version}.", dir=staging_root))
-    try:
-        src = registry.download_version(cfg, mv, work / "download")
+    check_writable(volume)
+    tmp_root = Path(cfg.state_dir) / "tmp"
+    clear_debris(volume / STAGING, volume)
+    clear_debris(tmp_root, volume)
+    check_writable(tmp_root)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-v{version}.", dir=tmp_root) as td:
+        src = registry.download_version(cfg, mv, Path(td) / "download")
         manifest = read_manifest(src)
         problems = verify_files(src, manifest["files"])
         if problems:
@@ -99,109 +192,163 @@ def materialise(cfg: ProjectConfig, mv, volume: Path) -> tuple[Path, bool]:
                 f"{name} v{version}: registered artifact fails its manifest:\n  " + "\n  ".join(problems)
             )
         check_publishable(mv, manifest["files"].get("adapter_model.safetensors", ""))
-        stage = work / "adapter"
-        shutil.copytree(src, stage)
-        # re-validate if the verdict's binding changed; rename keys / fold patterns for the fleet's vLLM (parity proven)
-        for key, value in prepare_for_fleet(cfg, mv.tags or {}, stage).items():
-            manifest[key] = {**manifest.get(key, {}), **value}
-        acfg_path = stage / "adapter_config.json"
-        acfg = json.loads(acfg_path.read_text())
-        original = acfg.get("base_model_name_or_path")
-        acfg["base_model_name_or_path"] = cfg.served.model
-        acfg_path.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
-        manifest["registered_files"] = manifest["files"]
-        manifest["files"] = file_hashes(stage)
-        manifest["published"] = {
-            "name": name,
-            "version": version,
-            "original_base_model_name_or_path": original,
-            "base_model_name_or_path": cfg.served.model,
-            "registry": {"tracking_uri": _redact(cfg.tracking_uri), "source": mv.source, "run_id": mv.run_id},
-            "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        }
-        # The manifest goes in last, then the whole directory appears at once.
-        write_json_atomic(stage / MANIFEST, manifest)
-        seal_tree(stage)
+        need, nfiles = tree_size(src)
+        stage_root = staging_dir(volume, name)
         try:
-            os.rename(stage, target)
+            stage_root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            if target.exists():  # a concurrent publish of the same version won the race
-                return target, False
-            raise PublishError(f"cannot move {stage} to {target}: {e}") from e
-        os.chmod(target, 0o555)
-        fsync_dir(Path(volume))
-        return target, True
-    finally:
-        rmtree(work)
+            raise os_failure(e, "cannot create the staging directory", stage_root) from e
         try:
-            staging_root.rmdir()  # only when empty: a concurrent publish may be staging
-        except OSError:
-            pass
-
-
-STALE_STAGING_S = 3600
-
-
-def _clear_stale_staging(staging_root: Path) -> None:
-    """Remove staging debris of publishes killed mid-way (untouched for an hour: no live publish
-    of an adapter takes that long, and a live one keeps writing)."""
-    import time
-
-    for p in staging_root.iterdir():
+            check_free_space(stage_root, need, nfiles)  # before copying: a full volume gets no partial copy
+            work = Path(tempfile.mkdtemp(prefix=f"v{version}.", dir=stage_root))
+        except OSError as e:
+            _rmdir_if_empty(stage_root, volume / STAGING)
+            raise os_failure(e, "cannot create a staging directory in", stage_root) from e
+        except BaseException:
+            _rmdir_if_empty(stage_root, volume / STAGING)
+            raise
         try:
-            if time.time() - p.stat().st_mtime > STALE_STAGING_S:
-                rmtree(p)
-        except FileNotFoundError:
-            pass
+            stage = work / "adapter"
+            copy_tree(src, stage)
+            checkpoint("after-copy")
+            # re-validate if the verdict's binding changed; rename keys / fold patterns for the fleet's vLLM (parity proven)
+            for key, value in prepare_for_fleet(cfg, mv.tags or {}, stage).items():
+                manifest[key] = {**manifest.get(key, {}), **value}
+            acfg_path = stage / "adapter_config.json"
+            acfg = json.loads(acfg_path.read_text())
+            original = acfg.get("base_model_name_or_path")
+            acfg["base_model_name_or_path"] = cfg.served.model
+            acfg_path.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+            manifest["registered_files"] = manifest["files"]
+            manifest["files"] = file_hashes(stage)
+            manifest["published"] = {
+                "name": name,
+                "version": version,
+                "original_base_model_name_or_path": original,
+                "base_model_name_or_path": cfg.served.model,
+                "registry": origin
+                or {"tracking_uri": redact_uri(cfg.tracking_uri), "source": mv.source, "run_id": mv.run_id},
+                "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            }
+            # The manifest goes in last, then the whole directory appears at once.
+            write_json_atomic(stage / MANIFEST, manifest)
+            seal_tree(stage)
+            checkpoint("before-rename")
+            try:
+                os.rename(stage, target)
+            except OSError as e:
+                if target.exists():  # written meanwhile by a pipeline not holding this lock (older version)
+                    return target, False
+                raise os_failure(e, f"cannot move {stage} to", target) from e
+            os.chmod(target, 0o555)
+            fsync_dir(volume)
+            return target, True
+        except OSError as e:
+            raise os_failure(e, "cannot write the version directory", work) from e
+        finally:
+            rmtree(work)
+            _rmdir_if_empty(stage_root, volume / STAGING)
 
 
-def _redact(uri: str) -> str:
-    """Drop credentials from a URI before it lands in a manifest."""
-    if "@" in uri and "://" in uri:
-        scheme, rest = uri.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return uri
+# -- the transaction -------------------------------------------------------------------------------
+def _replaces(
+    cfg: ProjectConfig, name: str, target: int, prod: int | None, desired: int | None
+) -> int | None:
+    """The version `target` replaces (it becomes `previous`).
+
+    Normally `production`. When `production` already points at `target` (moved in the MLflow UI,
+    and this publish ships it), the version shipped last before it according to the registry's
+    publish/rollback events (the alias is the source of truth, and every move the pipeline made
+    left an event), else the desired state.
+    """
+    if prod is not None and prod != target:
+        return prod
+    if prod is None:
+        return desired
+    shipped = []
+    for mv in registry.versions(cfg, name):
+        for k in mv.tags or {}:
+            if k.startswith(registry.EVENT_TAG_PREFIX) and k.rsplit(".", 1)[-1] in ("publish", "rollback"):
+                shipped.append((k[len(registry.EVENT_TAG_PREFIX) :], int(mv.version)))
+    before = [v for _, v in sorted(shipped) if v != target]
+    return before[-1] if before else (desired if desired != target else None)
 
 
-def publish(cfg: ProjectConfig, name: str, version: int | None = None, alias: str | None = None) -> Published:
-    """Publish `name` at `version` or `alias` to the volume and move alias `production` to it.
+def publish(
+    cfg: ProjectConfig,
+    name: str,
+    version: int | None = None,
+    alias: str | None = None,
+    *,
+    follow: bool = False,
+) -> Published:
+    """Publish `name` at `version` or `alias` to the volume and the fleet; `production` follows.
+
+    `follow`: called by the alias follower for a version someone made `production`; if the alias
+    moves again during the publish it is left where it was moved.
 
     Raises:
-        UsageError: unknown model, version or alias (the volume is untouched).
+        UsageError: bad name, unknown model, version or alias (nothing written).
         CheckFailed: the version did not pass validation for its weights, or its recorded canary
             failed / is missing while `canary.required` (`pipeline.canary.gate`).
-        PublishError: the artifact or an existing version directory fails its manifest.
-        FleetError: with `fleet.instances` configured, an instance did not switch to the new
-            version (all restored; aliases and the fleet's desired state unchanged).
+        PublishError: the artifact or an existing version directory fails its manifest or origin.
+        VolumeError: the volume is read-only, full or not writable (nothing partial is left).
+        StoreError: the registry cannot be used.
+        LockedError (exit 3): another transaction on `name` held the lock past `fleet.lock_timeout_s`.
+        FleetError (exit 4): an instance did not switch; every instance was put back, desired state
+            and aliases unchanged.
     """
-
+    check_name(name)
+    check_served_name(cfg, name)
     mv = registry.resolve_version(cfg, name, version, alias)
-
+    target = int(mv.version)
     warnings = canary_gate(cfg, mv)  # before anything is written
     if cfg.fleet.instances:
         preflight(cfg)  # every instance runs the configured vLLM and model: else exit 4, nothing written
-    volume = cfg.volume.path
-    volume.mkdir(parents=True, exist_ok=True)
-    path, created = materialise(cfg, mv, volume)
-    instances: list[str] = []
-    if cfg.fleet.instances:  # every instance serves it (or all are restored) before any alias moves
-        reports = rollout(cfg, name, int(mv.version), path)
-        instances = [r.instance for r in reports if r.ok]
-        warnings += [f"{r.instance}: {w}" for r in reports for w in r.warnings]
-    prev = registry.set_alias(cfg, name, registry.ALIAS_PRODUCTION, int(mv.version))
-    if prev is not None and prev != int(mv.version):
-        registry.set_alias(cfg, name, registry.ALIAS_PREVIOUS, prev)
-    # also sets the summary tags published.path / published.time / published.instances
-    registry.record_event(
-        cfg,
-        name,
-        int(mv.version),
-        {
-            "type": "publish",
-            "path": str(path),
-            "created": created,
-            "from_version": prev,
-            "instances": instances,
-        },
-    )
-    return Published(name, int(mv.version), path, created, prev, instances, warnings)
+    volume = Path(cfg.volume.path)
+    check_writable(volume)
+    with adapter_transaction(cfg, name, prefer="complete") as tx:
+        warnings += tx.notes
+        done = tx.completed("publish", target)
+        if done is not None:  # this very publish, killed earlier, was just completed
+            path = version_dir(volume, name, target)
+            return Published(name, target, path, done.created, done.from_version, done.instances, warnings)
+        origin = expected_origin(cfg, mv)
+        aliases = registry.aliases(cfg, name)  # one registry call for both
+        prod, prev = aliases.get(registry.ALIAS_PRODUCTION), aliases.get(registry.ALIAS_PREVIOUS)
+        state = load_state(volume)
+        intent = Intent(
+            op="publish",
+            name=name,
+            version=target,
+            from_version=_replaces(cfg, name, target, prod, state.version(name)),
+            production_before=prod,
+            previous_before=prev,
+            state_before=state.adapters.get(name),
+            source=mv.source,
+            follow=follow,
+        )
+        save_intent(volume, intent)
+        checkpoint("after-intent")
+        try:
+            path, created = materialise(cfg, mv, volume, origin)
+        except Exception:
+            clear_intent(volume, name)  # nothing but (removed) staging was written
+            raise
+        intent.created = created
+        advance(cfg, intent, "volume")
+        checkpoint("after-volume")
+        try:
+            with fleet_lock(volume, cfg.fleet.lock_timeout_s):
+                try:
+                    reports = fleet_step(cfg, intent)
+                except FleetError:
+                    clear_intent(volume, name)  # the rollout put every instance back; nothing else moved
+                    raise
+                warnings += commit(cfg, intent)
+        except FleetError:
+            raise
+        except Exception as e:
+            raise incomplete(cfg, e, intent) from e
+    warnings += [f"{r.instance}: {w}" for r in reports for w in r.warnings]
+    return Published(name, target, path, created, intent.from_version, intent.instances, warnings, reports)

@@ -16,13 +16,10 @@ from pipeline import registry
 from pipeline.canary import show as canary_show
 from pipeline.config import ProjectConfig
 from pipeline.fleet.reconcile import status as fleet_status
+from pipeline.registry.store import redact_uri
+from pipeline.release.desired import volume_rows
 
 _VERSION = re.compile(r"^v?(\d+)$")
-
-
-def redact(uri: str) -> str:
-    """`scheme://user:pass@host/...` -> `scheme://***@host/...` (status output is shared)."""
-    return re.sub(r"://[^/@]+@", "://***@", uri)
 
 
 def _fleet_rows(cfg: ProjectConfig) -> tuple[list[dict] | None, str | None]:
@@ -43,7 +40,8 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
     "version", "aliases", "verdict", "eval_loss", "weights_sha256", "published_path",
     "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}],
     "canary": None | {"verdict", "token_agreement", "acceptance_length", "speed_ratio", ...}}]}],
-    "fleet": [...] | None, "fleet_error": str | None}; versions newest first.
+    "fleet": [...] | None, "fleet_error": str | None, "volume": [{"adapter", "desired", "state":
+    drift | corrupt | absent | error, "detail"}]}; versions newest first.
     Raises UsageError: `name` is not a registered model.
     """
 
@@ -84,11 +82,15 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
                 }
             )
         models.append({"name": n, "aliases": aliases, "versions": rows})
+    # what the volume says against the registry: drift, unfinished transactions, corrupt versions
+    production = {m["name"]: m["aliases"].get(registry.ALIAS_PRODUCTION) for m in models}
+    volume = [dataclasses.asdict(r) for r in volume_rows(cfg, [name] if name else None, production)]
     return {
-        "tracking_uri": redact(cfg.tracking_uri),
+        "tracking_uri": redact_uri(cfg.tracking_uri),
         "models": models,
         "fleet": fleet_rows,
         "fleet_error": fleet_error,
+        "volume": volume,
     }
 
 
@@ -153,3 +155,5 @@ def render(data: dict, console=None) -> None:
             con.print(f"fleet: {r['instance']}: {what}", highlight=False, markup=False)
     if data.get("fleet_error"):
         con.print(f"[yellow]fleet not read:[/] {data['fleet_error']}")
+    for r in data.get("volume") or []:
+        con.print(f"[bold red]{r['state']}:[/] " + r["detail"].replace("[", "\\["), highlight=False)

@@ -83,6 +83,10 @@ def _read_yaml(path: Path) -> dict:
         raise UsageError(f"{path}: axolotl config not found")
     try:
         data = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{path}: not a text file (byte {e.start} is not UTF-8): give an axolotl YAML"
+        ) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -32,6 +32,7 @@ from pathlib import Path
 from pipeline import registry
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
+from pipeline.artifacts.names import check_name, default_name
 from pipeline.artifacts.safetensors import header_bytes
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError
@@ -414,9 +415,13 @@ def train(
             train.log; no adapter/manifest is written, so nothing downstream can pick it up).
     """
     t0 = time.time()
+    name = check_name(
+        name or default_name(Path(config_path).stem),
+        "adapter name (--name, default: from the config file name)",
+    )
     tc = load_training_config(Path(config_path), list(overrides), list(overlays))
     ds_report = check_inputs(cfg, tc, set(allow), world=gpus)
-    name = name or Path(config_path).stem
+    registry.check_store(cfg)  # an unusable store fails before the run directory exists
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     run_dir = Path(run_dir) if run_dir else cfg.train.runs_dir / f"{name}-{stamp}"
     if (run_dir / "adapter" / MANIFEST).exists():

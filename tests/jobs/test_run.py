@@ -43,11 +43,11 @@ def proj(tmp_path_factory, tiny_base):
     return {"root": root, "cfg_path": cfg_path, "sets": sets, "data": data}
 
 
-def cli_run(proj, *extra, wait=True):
+def cli_run(proj, *extra, wait=True, env_extra=None):
     args = [sys.executable, "-m", "pipeline", "run", str(TINY), "--name", "agent-tools"]
     for s in proj["sets"]:
         args += ["--set", s]
-    env = dict(os.environ, PIPELINE_CONFIG=str(proj["cfg_path"]))
+    env = dict(os.environ, PIPELINE_CONFIG=str(proj["cfg_path"]), **(env_extra or {}))
     if not wait:
         return subprocess.Popen(
             [*args, *extra],
@@ -177,3 +177,28 @@ def test_publish_gate_refusal_is_a_gated_run(proj):
     after = registry.aliases(cfg, "agent-tools")
     assert after["production"] == before["production"] and after["candidate"] == out["version"]
     assert not (cfg.volume.path / f"agent-tools-v{out['version']}").exists()
+
+
+def test_run_killed_between_register_and_publish_is_published_by_the_next_run(proj):
+    """Issue 16: `pipeline run` killed between register and publish: later runs reported `skipped`
+    (exit 0) and that version was never published. Killed here with SIGKILL at the checkpoint."""
+    cfg = load_config(proj["cfg_path"])
+    registry.set_version_tags(cfg, "agent-tools", 1, {"eval_loss": "100"})  # the eval gate passes
+    with open(proj["data"] / "agent_chat_train.jsonl", "a") as f:  # new inputs: trains a new version
+        f.write(
+            json.dumps(
+                {"messages": [{"role": "user", "content": "tick"}, {"role": "assistant", "content": "tock"}]}
+            )
+            + "\n"
+        )
+    r = cli_run(proj, env_extra={"PIPELINE_TEST_KILL_AT": "run-after-tag"})
+    assert r.returncode == -9, r.stderr[-3000:]
+    killed = max(int(v.version) for v in registry.versions(cfg, "agent-tools"))
+    assert registry.alias_version(cfg, "agent-tools", "production") != killed
+    runs = n_runs(cfg)
+    r = cli_run(proj)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = last_json(r.stdout)
+    assert (out["status"], out["version"]) == ("published", killed)
+    assert registry.alias_version(cfg, "agent-tools", "production") == killed
+    assert n_runs(cfg) == runs  # not trained again

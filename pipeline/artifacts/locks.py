@@ -1,0 +1,84 @@
+"""File locks for whole operations: per-adapter transactions and the volume's fleet lock.
+
+`file_lock` wraps `filelock.FileLock` (POSIX `flock`: released by the kernel when the holder
+dies, even by SIGKILL, so a crashed publish never leaves a stale lock). It is re-entrant per
+thread: a publish holding the fleet lock may call code (the fleet rollout, sync) that takes it
+again. Two threads or processes exclude each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from pipeline.errors import LockedError, VolumeError
+
+_held = threading.local()
+
+
+def _depths() -> dict[str, int]:
+    if not hasattr(_held, "depth"):
+        _held.depth = {}
+    return _held.depth
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout_s: float, what: str):
+    """Hold the lock file `path` for the `with` block.
+
+    `what` names the operation for the error message. Raises LockedError (exit 3) after
+    `timeout_s` seconds of waiting (0: do not wait), VolumeError when the lock file cannot be
+    created (read-only or full filesystem).
+    """
+    path = Path(path)
+    key = os.path.realpath(path)
+    depth = _depths()
+    if depth.get(key):
+        depth[key] += 1
+        try:
+            yield
+        finally:
+            depth[key] -= 1
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path))
+        lock.acquire(timeout=timeout_s)
+    except Timeout as e:
+        raise LockedError(f"{path}: {what} holds the lock; waited {timeout_s:.0f} s") from e
+    except OSError as e:
+        raise VolumeError(f"cannot create the lock file {path}: {e.strerror or e}") from e
+    depth[key] = 1
+    try:
+        yield
+    finally:
+        depth.pop(key, None)
+        lock.release()
+
+
+def held(path: Path) -> bool:
+    """True when this thread holds the lock file `path` (through `file_lock`)."""
+    return bool(_depths().get(os.path.realpath(Path(path))))
+
+
+@contextlib.contextmanager
+def try_lock(path: Path):
+    """Yield True while holding `path` if it is free right now, else yield False (never waits)."""
+    path = Path(path)
+    if held(path):
+        yield True
+        return
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except (Timeout, OSError):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()

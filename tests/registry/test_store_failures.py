@@ -1,0 +1,180 @@
+"""The registry store fails: a clear StoreError (exit 2) naming the store within seconds, nothing written
+(issue 16 section 4, and section 1's recreated sqlite file).
+
+Real sqlite stores and real sockets on 127.0.0.1: a closed port, a port that accepts and never
+answers, a database locked by another connection, a file that is not a database, a file store.
+"""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline import registry
+from pipeline.cli import app
+from pipeline.errors import StoreError
+from pipeline.registry import store
+from tests.support import release_support
+from tests.support.registry_support import free_port
+from tests.support.release_support import forget_mlflow_engines, new_project, register_versions
+
+release_adapters = release_support.release_adapters
+
+
+def _cli(cfg, *args, env=None):
+    return CliRunner().invoke(
+        app, [str(a) for a in args], env={"PIPELINE_CONFIG": str(cfg.source), **(env or {})}
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checks():
+    """The store check runs once per store and process; each test starts unchecked."""
+    store._checked.clear()
+    yield
+    store._checked.clear()
+
+
+def test_closed_port_fails_in_seconds_naming_the_store(tmp_path):
+    """Issue 16: MLFLOW_TRACKING_URI at a closed port took 251 s, then a traceback."""
+    cfg = new_project(tmp_path)
+    uri = f"http://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    r = _cli(cfg, "status", env={"MLFLOW_TRACKING_URI": uri})
+    assert time.monotonic() - t < 30  # not MLflow's ~4 minutes of retries (generous: a loaded machine)
+    assert r.exit_code == 2, r.output
+    assert uri in r.output and "unreachable" in r.output and "Traceback" not in r.output
+
+
+def test_server_that_accepts_but_never_answers(tmp_path):
+    """Sibling: a hung tracking server (accepts the connection, never answers /health)."""
+    cfg = new_project(tmp_path, registry={"connect_timeout_s": 1})
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)  # never accepted: the kernel completes the handshake, nobody answers
+        uri = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        r = _cli(cfg, "publish", "agent", "--version", "1", env={"MLFLOW_TRACKING_URI": uri})
+    assert r.exit_code == 2, r.output
+    assert "does not answer" in r.output and uri in r.output
+    assert not cfg.volume.path.exists()
+
+
+def test_postgres_at_a_closed_port(tmp_path):
+    """Sibling: a database URI whose server is down (MLflow retries engine creation for a long time)."""
+    cfg = new_project(tmp_path)
+    uri = f"postgresql+psycopg2://u:secret@127.0.0.1:{free_port()}/mlflow"
+    r = _cli(cfg, "status", env={"MLFLOW_TRACKING_URI": uri})
+    assert r.exit_code == 2, r.output
+    assert "unreachable" in r.output and "secret" not in r.output and "***@127.0.0.1" in r.output
+
+
+def test_locked_sqlite_store(tmp_path):
+    """Issue 16: a sqlite store locked by another process gave a traceback after ~9 s."""
+    cfg = new_project(tmp_path, registry={"connect_timeout_s": 1})
+    registry.experiment_id(cfg)  # the store exists
+    store._checked.clear()
+    db = cfg.state_dir / "mlflow.db"
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        t = time.monotonic()
+        r = _cli(cfg, "status")
+        assert time.monotonic() - t < 20
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert r.exit_code == 2, r.output
+    assert "locked by another process" in r.output and str(db) in r.output and "Traceback" not in r.output
+
+
+def test_database_is_locked_met_later_is_a_store_error():
+    """The check passed, then MLflow met the lock: the CLI still maps it to StoreError."""
+    err = store.as_store_error(sqlite3.OperationalError("database is locked"), "sqlite:////x/mlflow.db")
+    assert isinstance(err, StoreError) and "locked by another process" in str(err)
+    assert store.as_store_error(ValueError("x")) is None
+
+
+def test_file_that_is_not_a_database(tmp_path):
+    cfg = new_project(tmp_path)
+    cfg.state_dir.mkdir(parents=True)
+    (cfg.state_dir / "mlflow.db").write_bytes(b"this is not sqlite" * 100)
+    r = _cli(cfg, "status")
+    assert r.exit_code == 2 and "not an MLflow sqlite database" in r.output, r.output
+
+
+@pytest.mark.parametrize("uri", ["./mlruns", "file:///tmp/mlruns-x"])
+def test_file_store_is_refused_before_anything_is_written(tmp_path, uri, monkeypatch, tiny_base):
+    """Issue 16: `MLFLOW_TRACKING_URI=./mlruns` gave tracebacks in register and train, and train left a
+    run directory behind."""
+    from tests.support.helpers import REPO
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = new_project(tmp_path / "p")
+    r = _cli(cfg, "status", env={"MLFLOW_TRACKING_URI": uri})
+    assert r.exit_code == 2 and "file store" in r.output and "MLFLOW_ALLOW_FILE_STORE" in r.output, r.output
+    r = _cli(
+        cfg,
+        "train",
+        REPO / "axolotl_configs" / "tiny-cpu.yml",
+        "--set",
+        f"base_model={tiny_base}",
+        "--set",
+        f"datasets=[{{path: {REPO / 'datasets/agent_chat_train.jsonl'}, type: chat_template}}]",
+        "--set",
+        "test_datasets=null",
+        env={"MLFLOW_TRACKING_URI": uri},
+    )
+    assert r.exit_code == 2 and "file store" in r.output, r.output
+    assert not cfg.train.runs_dir.exists()  # no run directory left behind
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_deleted_sqlite_store_is_refused_not_silently_recreated(tmp_path, release_adapters):
+    """Issue 16: the sqlite file deleted was silently recreated empty; a new v1 then 'published' as
+    'already on the volume' and the old v1's weights stayed live under the new alias."""
+    from pipeline.release.publish import PublishError, publish
+    from pipeline.release.rollback import rollback
+
+    cfg = new_project(tmp_path)
+    register_versions(cfg, "agent", release_adapters[:1], 1)
+    publish(cfg, "agent", version=1)
+    (cfg.state_dir / "mlflow.db").unlink()
+    store._checked.clear()
+    forget_mlflow_engines()
+    r = _cli(cfg, "status")
+    assert r.exit_code == 2 and "is gone" in r.output and "Restore the file" in r.output, r.output
+    assert not (cfg.state_dir / "mlflow.db").exists()  # not recreated
+
+    # On purpose: a new, empty registry (the message says how). Its v1 is other weights.
+    next(cfg.state_dir.glob(".mlflow-init-*")).unlink()
+    register_versions(cfg, "agent", release_adapters[1:2], 1)
+    with pytest.raises(PublishError, match="published from another registry entry") as e:
+        publish(cfg, "agent", version=1)
+    assert "artifact models:/" in str(e.value)
+    with pytest.raises(PublishError, match="published from another registry entry"):
+        rollback(cfg, "agent", to=1)
+    assert registry.alias_version(cfg, "agent", "production") is None  # nothing moved
+    r = _cli(cfg, "publish", "agent", "--version", "1")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+
+
+def test_same_weights_reregistered_in_a_new_store_are_still_another_entry(tmp_path, release_adapters):
+    """Sibling: the same adapter registered again as v1 of a recreated store: same weights, but the
+    directory records another model version, so it is refused too (the lineage would be wrong)."""
+    from pipeline.release.publish import PublishError, publish
+
+    cfg = new_project(tmp_path)
+    register_versions(cfg, "same", release_adapters[:1], 1)
+    publish(cfg, "same", version=1)
+    (cfg.state_dir / "mlflow.db").unlink()
+    next(cfg.state_dir.glob(".mlflow-init-*")).unlink()
+    store._checked.clear()
+    forget_mlflow_engines()
+    register_versions(cfg, "same", release_adapters[:1], 1)
+    with pytest.raises(PublishError, match="another registry entry"):
+        publish(cfg, "same", version=1)

@@ -1,0 +1,323 @@
+"""Every CLI command on hostile inputs: a clear error and an exit code, never a traceback (issue 16 "Tests").
+
+`CASES` lists, per command of `pipeline.cli.COMMANDS` (and every subcommand of a group), argument
+lists built from hostile inputs: names that are paths or too long, files that are missing, empty,
+binary, directories, symlink loops or `/dev/null`, numbers out of range, a project config that is
+not YAML, a desired-state file that is not JSON, and broken registry stores (a closed port, a file
+store, a file that is not a database). `test_every_command_is_covered` fails when a command is
+added without cases, so new commands join the harness.
+
+Each case runs in-process through typer's CliRunner (the same `PipelineGroup` error mapping as the
+console script). A case passes when the command exits with a documented code and neither stdout
+nor stderr holds a traceback; `ok_codes` lists the codes allowed (0 where the hostile input is
+legitimately harmless, e.g. `ui` against a tracking server only prints its URL).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pipeline.cli import COMMANDS, app, load_command
+from tests.support.helpers import REPO, write_project_config
+from tests.support.registry_support import free_port
+
+ERRORS = (1, 2, 3, 4, 5)
+
+
+@dataclass
+class Case:
+    args: list[str]
+    env: str = "project"  # key of the environments built by `world`
+    ok_codes: tuple[int, ...] = ERRORS
+
+    @property
+    def id(self) -> str:
+        text = " ".join(self.args)
+        return f"{self.env}: {text[:70]}"
+
+
+@dataclass
+class World:
+    root: Path
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+def _hostile_files(root: Path) -> dict[str, Path]:
+    p = {}
+    p["missing"] = root / "no-such-thing"
+    p["devnull"] = Path("/dev/null")
+    p["empty"] = root / "empty.jsonl"
+    p["empty"].write_text("")
+    p["binary"] = root / "binary.bin"
+    p["binary"].write_bytes(bytes(range(256)) * 64)
+    loop = root / "loop"
+    os.symlink(root / "loop2", loop)
+    os.symlink(loop, root / "loop2")
+    p["loop"] = loop
+    p["dir"] = root / "a-directory"
+    p["dir"].mkdir()
+    bad = root / "bad-adapter"  # every file of an adapter, wrong
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"r": NaN, "lora_alpha": Infinity, "target_modules": 7}')
+    (bad / "adapter_model.safetensors").mkdir()  # weights file that is a directory
+    (bad / "manifest.json").write_text("[1, 2")
+    p["bad-adapter"] = bad
+    p["yaml"] = root / "broken.yml"
+    p["yaml"].write_text("base_model: [unclosed\n  - : :\n")
+    p["yaml-list"] = root / "list.yml"
+    p["yaml-list"].write_text("- just\n- a list\n")
+    p["out-exists"] = root / "out-exists"
+    p["out-exists"].mkdir()
+    return p
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    root = tmp_path_factory.mktemp("hostile")
+    w = World(root, paths=_hostile_files(root))
+    for d in ("proj", "broken-state", "not-db", "binary-state"):
+        (root / d).mkdir()
+    proj = write_project_config(root / "proj")
+    broken_state = write_project_config(root / "broken-state")
+    (root / "broken-state" / "volume").mkdir(parents=True)
+    (root / "broken-state" / "volume" / "fleet-state.json").write_text("{not json")
+    bad_cfg = root / "bad-config.yaml"
+    bad_cfg.write_text("fleet: {max_lora_rank: 7, instances: nope}\nunknown_key: 1\n")
+    binary_state = write_project_config(root / "binary-state")
+    (root / "binary-state" / "volume" / ".txn").mkdir(parents=True)
+    (root / "binary-state" / "volume" / "fleet-state.json").write_bytes(b"\x80\xff" * 64)
+    (root / "binary-state" / "volume" / ".txn" / "agent.json").write_bytes(b"\x80\xff" * 64)
+    not_db = write_project_config(root / "not-db")
+    (root / "not-db" / "state").mkdir(parents=True)
+    (root / "not-db" / "state" / "mlflow.db").write_bytes(b"garbage" * 500)
+    base = {"PIPELINE_CONFIG": str(proj), "MLFLOW_TRACKING_URI": ""}
+    w.envs = {
+        "project": base,
+        "bad-config": {**base, "PIPELINE_CONFIG": str(bad_cfg)},
+        "yaml-config": {**base, "PIPELINE_CONFIG": str(w.paths["yaml"])},
+        "missing-config": {**base, "PIPELINE_CONFIG": str(w.paths["missing"])},
+        "closed-port": {**base, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"},
+        "file-store": {**base, "MLFLOW_TRACKING_URI": str(root / "mlruns")},
+        "not-a-db": {**base, "PIPELINE_CONFIG": str(not_db)},
+        "broken-state": {**base, "PIPELINE_CONFIG": str(broken_state)},
+        "binary-state": {**base, "PIPELINE_CONFIG": str(binary_state)},
+        "binary-config": {**base, "PIPELINE_CONFIG": str(w.paths["binary"])},
+    }
+    return w
+
+
+NAMES = ["../escape", "a/b", "/etc/passwd", "x" * 300, "Foo", "foo-v1", ""]
+STORES = ["closed-port", "file-store", "not-a-db"]
+CONFIGS = ["bad-config", "yaml-config", "missing-config", "binary-config"]
+VOLUMES = ["broken-state", "binary-state"]
+
+
+def cases(w: World) -> list[Case]:
+    P = {k: str(v) for k, v in w.paths.items()}
+    tiny = str(REPO / "axolotl_configs" / "tiny-cpu.yml")
+    out: list[Case] = []
+    add = out.append
+    # train
+    for n in NAMES:
+        add(Case(["train", tiny, "--name", n]))
+    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "yaml-list", "empty"):
+        add(Case(["train", P[f]]))
+    add(Case(["train", tiny, "--set", "=", "--name", "x"]))
+    add(Case(["train", tiny, "--set", "nokey"]))
+    add(Case(["train", tiny, "--overlay", P["missing"]]))
+    add(Case(["train", tiny, "--overlay", P["yaml"]]))
+    add(Case(["train", tiny, "--gpus", "-3"]))
+    # validate
+    for f in ("missing", "devnull", "binary", "dir", "loop", "bad-adapter", "empty"):
+        add(Case(["validate", P[f]]))
+    add(Case(["validate", P["bad-adapter"], "--base", P["missing"]]))
+    add(Case(["validate", P["dir"], "--served", P["binary"], "--json"]))
+    # register
+    for n in NAMES:
+        add(Case(["register", P["dir"], "--name", n]))
+    for f in ("missing", "devnull", "binary", "bad-adapter", "loop"):
+        add(Case(["register", P[f], "--name", "agent"]))
+    # publish / promote / rollback
+    for n in NAMES:
+        add(Case(["publish", n, "--version", "1"]))
+        add(Case(["promote", n, "1"]))
+        add(Case(["rollback", n]))
+    add(Case(["publish", "ghost", "--version", "-1"]))
+    add(Case(["publish", "ghost", "--version", "1", "--alias", "x"]))
+    add(Case(["publish", "ghost"]))
+    add(Case(["publish", "ghost", "--alias", "../x"]))
+    add(Case(["promote", "ghost", "0"]))
+    add(Case(["promote", "ghost", "99999999999999999999"]))
+    add(Case(["rollback", "ghost", "--to", "-5"]))
+    # status / ui
+    for n in NAMES:
+        add(Case(["status", n]))
+    add(Case(["status", "ghost", "--json"]))
+    add(Case(["ui", "--port", "-1"], env="file-store"))
+    add(Case(["ui"], env="closed-port"))
+    # canary
+    for n in NAMES:
+        add(Case(["canary", n, "--staging", f"http://127.0.0.1:{free_port()}"]))
+    add(Case(["canary", P["bad-adapter"], "--staging", f"http://127.0.0.1:{free_port()}"]))
+    add(Case(["canary", P["dir"], "--version", "1", "--staging", "not a url"]))
+    add(Case(["canary", "ghost", "--staging", "http://127.0.0.1:9", "--instance-path", "/x"]))
+    # merge
+    add(Case(["merge", P["missing"], "--base", P["missing"], "--out", P["out-exists"]]))
+    add(Case(["merge", P["bad-adapter"], "--base", P["dir"], "--out", str(w.root / "merged")]))
+    add(Case(["merge", P["dir"], "--base", P["binary"], "--out", P["devnull"]]))
+    add(
+        Case(
+            [
+                "merge",
+                P["dir"],
+                "--base",
+                P["dir"],
+                "--out",
+                str(w.root / "m2"),
+                "--name",
+                "a/b",
+                "--version",
+                "1",
+            ]
+        )
+    )
+    add(Case(["merge", P["dir"], "--base", P["dir"], "--out", str(w.root / "m3"), "--name", "agent"]))
+    # run / follow-alias
+    for n in NAMES:
+        add(Case(["run", tiny, "--name", n]))
+    for f in ("missing", "binary", "yaml", "dir"):
+        add(Case(["run", P[f]]))
+    for n in NAMES:
+        add(Case(["follow-alias", "--once", "--name", n]))
+    add(Case(["follow-alias", "production", "--once", "--interval", "0"]))
+    add(Case(["follow-alias", "--webhook-port", "1", "--once"]))
+    # fleet
+    add(Case(["fleet", "status"], env="broken-state"))
+    add(Case(["fleet", "sync"], env="broken-state"))
+    add(Case(["fleet", "sync", "--interval", "-1", "--follow-alias", "production"], env="closed-port"))
+    for n in NAMES:
+        add(Case(["fleet", "prune", n]))
+    add(Case(["fleet", "prune", "ghost", "--keep", "0"]))
+    add(Case(["fleet", "prune", "ghost"], env="broken-state"))
+    # schedule
+    for n in NAMES:
+        add(Case(["schedule", "emit", "--kind", "systemd", "--name", n, "--config", "c.yml"]))
+    add(Case(["schedule", "emit", "--kind", "bogus", "--name", "a", "--config", "c.yml"]))
+    add(
+        Case(
+            [
+                "schedule",
+                "emit",
+                "--kind",
+                "systemd",
+                "--name",
+                "a",
+                "--config",
+                "c",
+                "--schedule",
+                "61 3 * * *",
+            ],
+            ok_codes=(0, *ERRORS),  # exits 0 today: issue 17 item 10 (operator area) validates schedules
+        )
+    )
+    add(Case(["schedule", "emit", "--kind", "cronjob", "--name", "a", "--config", "c", "--gpus", "-1"]))
+    add(
+        Case(
+            ["schedule", "emit", "--kind", "scrontab", "--name", "a", "--config", "c", "--out", P["devnull"]]
+        )
+    )
+    # dataset
+    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml"):
+        add(Case(["dataset", "check", P[f]]))
+    add(Case(["dataset", "check", P["empty"], "--validation", P["binary"], "--tokenizer", P["dir"]]))
+    # config
+    for env in CONFIGS:
+        add(Case(["config", "show"], env=env))
+    # demo / dev
+    for n in NAMES:
+        add(Case(["demo", "--name", n]))
+    add(Case(["demo", "--config", P["missing"]], env="bad-config"))
+    add(Case(["dev", "real-base", "/proc/no-such-dir/x", "--layers", "1"]))
+    add(Case(["dev", "real-base", P["devnull"], "--layers", "1"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--layers", "0"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--device", "bogus"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--shard-gb", "0"]))
+    add(Case(["dev", "tiny-base", "/proc/no-such-dir/x"]))
+    add(Case(["dev", "tiny-base", P["devnull"]]))
+    add(Case(["dev", "tiny-base", str(w.root / "tb"), "--layout", "bogus"]))
+    # every registry and volume command against broken stores, project configs and volumes
+    for env in STORES + CONFIGS + VOLUMES:
+        for args in (
+            ["register", P["dir"], "--name", "agent"],
+            ["publish", "agent", "--version", "1"],
+            ["promote", "agent", "1"],
+            ["rollback", "agent"],
+            ["status"],
+            ["fleet", "status"],
+            ["fleet", "prune", "agent"],
+            ["follow-alias", "--once"],
+            ["run", tiny, "--name", "agent"],
+            ["canary", "agent", "--staging", "http://127.0.0.1:9"],
+        ):
+            # status and the follower do not read the volume: a broken one is not their error
+            harmless = env in VOLUMES and args[0] in ("status", "follow-alias")
+            add(Case(args, env=env, ok_codes=(0, *ERRORS) if harmless else ERRORS))
+    return out
+
+
+def _command_paths() -> set[str]:
+    """`train`, ..., and `fleet status`, `fleet sync`... for groups."""
+    out = set()
+    for name, (_, is_group, _) in COMMANDS.items():
+        cmd = load_command(name)
+        if is_group:
+            out |= {f"{name} {sub}" for sub in cmd.commands}
+        else:
+            out.add(name)
+    return out
+
+
+def _covered(args: list[str]) -> str:
+    first = args[0]
+    return f"{first} {args[1]}" if COMMANDS[first][1] else first
+
+
+@pytest.fixture(scope="module")
+def all_cases(world) -> list[Case]:
+    return cases(world)
+
+
+def test_every_command_is_covered(world):
+    have = {_covered(c.args) for c in cases(world)}
+    missing = sorted(_command_paths() - have)
+    assert missing == [], f"commands without hostile cases in tests/test_no_tracebacks.py: {missing}"
+
+
+def _run(world: World, case: Case):
+    env = dict(world.envs[case.env])
+    if not env.get("MLFLOW_TRACKING_URI"):
+        env["MLFLOW_TRACKING_URI"] = None  # CliRunner: unset
+    return CliRunner().invoke(app, case.args, env=env)
+
+
+def test_no_command_prints_a_traceback(world, all_cases, monkeypatch):
+    from pipeline.registry import store
+
+    monkeypatch.chdir(world.root)
+    failures = []
+    for case in all_cases:
+        store._checked.clear()
+        r = _run(world, case)
+        text = r.output
+        crashed = r.exception is not None and not isinstance(r.exception, SystemExit | typer.Exit)
+        if crashed or "Traceback" in text or r.exit_code not in case.ok_codes:
+            what = f"{type(r.exception).__name__}: {r.exception}" if crashed else text.strip()[-300:]
+            failures.append(f"[{case.id}] exit {r.exit_code}: {what}")
+    assert failures == [], f"{len(failures)} of {len(all_cases)} cases:\n" + "\n".join(failures)
