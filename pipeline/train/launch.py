@@ -19,7 +19,6 @@ Run directory layout (`<train.runs_dir>/<name>-<UTC timestamp>/`):
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
@@ -31,13 +30,14 @@ from pathlib import Path
 
 from pipeline import registry
 from pipeline.artifacts.atomic import write_json_atomic
+from pipeline.artifacts.fingerprint import base_fingerprint, training_inputs
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
-from pipeline.artifacts.safetensors import header_bytes
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
+from pipeline.train.schema import check_axolotl_schema
 from pipeline.validate.report import FleetRules
 
 PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
@@ -141,20 +141,6 @@ def train_env(extra: dict | None = None) -> dict:
     return env
 
 
-def base_fingerprint(base: str) -> str | None:
-    """sha256 over a local base's config.json and safetensors headers (weights not read)."""
-    p = Path(base)
-    if not p.is_dir():
-        return None
-    h = hashlib.sha256()
-    for f in sorted(p.iterdir()):
-        if f.name == "config.json" or f.name.endswith(".json") and "index" in f.name:
-            h.update(f.read_bytes())
-        elif f.suffix == ".safetensors":
-            h.update(header_bytes(f))
-    return h.hexdigest()
-
-
 def _load_tokenizer(base: str):
     try:
         from transformers import AutoTokenizer
@@ -162,25 +148,6 @@ def _load_tokenizer(base: str):
         return AutoTokenizer.from_pretrained(base)
     except Exception:  # hub id not cached offline: the length check is skipped
         return None
-
-
-def check_axolotl_schema(tc: TrainingConfig) -> None:
-    """axolotl's own config validation, in this process, before any run directory or MLflow run
-    exists (otherwise a typo like `micro_batch_size: abc` fails inside the trainer).
-
-    Raises CheckFailed with one line per field axolotl rejects.
-    """
-    from axolotl.utils.config import validate_config
-    from axolotl.utils.dict import DictDefault
-    from pydantic import ValidationError
-
-    try:
-        validate_config(DictDefault(json.loads(json.dumps(tc.data))))
-    except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise CheckFailed(f"{tc.path}: axolotl refuses the config:\n  " + "\n  ".join(lines)) from None
-    except ValueError as e:
-        raise CheckFailed(f"{tc.path}: axolotl refuses the config: {e}") from None
 
 
 def check_inputs(
@@ -225,6 +192,10 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
                 ds["path"] = str(Path(ds["path"]).resolve())
     if Path(str(d.get("base_model", ""))).exists():
         d["base_model"] = str(Path(d["base_model"]).resolve())
+    # `base_model_revision` is the pipeline's key (axolotl ignores it); axolotl's loaders read revision_of_model
+    rev = d.get("base_model_revision")
+    if rev and not (d.get("revision_of_model") or d.get("model_revision")):
+        d["revision_of_model"] = rev
     if d.get("dataset_prepared_path"):
         d["dataset_prepared_path"] = str(Path(d["dataset_prepared_path"]).resolve())
     d["output_dir"] = str(run_dir / "output")
@@ -521,6 +492,8 @@ def train(
             ],
         },
         "config_sha256": tc.sha256,
+        # the input fingerprint every registration tags (`run.fingerprint`): pipeline/artifacts/fingerprint.py
+        "inputs": training_inputs(ds_report.fingerprint, tc.data),
         "resolved_config": str(resolved_yml),
         "adapter": {
             k: adapter_cfg.get(k)
