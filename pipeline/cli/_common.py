@@ -8,6 +8,7 @@ group class of the main app) catches them for every command, so a command needs 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated
 
 import click
@@ -22,6 +23,8 @@ from pipeline.errors import (
     PipelineError,
     UsageError,
 )
+
+log = logging.getLogger("pipeline")
 
 # Exit codes by exception class; a subclass takes its nearest listed ancestor's code.
 EXIT_CODES: dict[type[BaseException], int] = {
@@ -68,6 +71,65 @@ JsonOption = Annotated[
 ]
 
 
+def emit_json(data) -> None:
+    """One JSON document on stdout (the only thing a `--json` command prints there)."""
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+# Third-party loggers that are noise for an operator (torchao's missing kernels, torch's pytree
+# deprecations, Triton, transformers' advice): shown with `--verbose` only.
+NOISY_LOGGERS = (
+    "torch",
+    "torchao",
+    "triton",
+    "transformers",
+    "accelerate",
+    "axolotl",
+    "peft",
+    "mlflow",
+    "alembic",
+    "urllib3",
+    "httpx",
+    "datasets",
+    "bitsandbytes",
+)
+
+
+def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
+    """The `pipeline` logger on stderr: INFO by default, DEBUG with `--verbose`, WARNING with `--quiet`.
+
+    Progress and stage messages are log records (logger `pipeline.*`), so `--quiet` silences them
+    and stdout stays for results (`--json`). Without `--verbose`, third-party warnings (Python
+    `warnings` outside the pipeline, and the `NOISY_LOGGERS`) are hidden; child processes inherit
+    the libraries' own quiet settings through the environment.
+    """
+    import os
+    import sys
+    import warnings
+
+    level = logging.DEBUG if verbose else (logging.WARNING if quiet else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(message)s" if not verbose else "%(levelname)s %(name)s: %(message)s")
+    )
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+    if verbose:
+        return
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"pipeline(\.|$)")
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for k, v in (
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        ("PYTHONWARNINGS", "ignore"),
+        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+    ):
+        os.environ.setdefault(k, v)
+
+
 def report_error(exc: BaseException, code: int) -> None:
     """An error as one line on stderr, or as a JSON object on stdout under `--json`."""
     if json_requested():
@@ -95,16 +157,38 @@ class PipelineGroup(TyperGroup):
 CONFIG_META = "pipeline.config_file"
 
 
-def project_config():
-    """The project config in effect (`--config`, `$PIPELINE_CONFIG`, or ./pipeline.yaml).
+def project_config(store: str = "any"):
+    """The project config in effect (`--config`, `$PIPELINE_CONFIG`, or the project found up the tree).
+
+    `store` says what the command needs of the registry, so that no command run outside the
+    project silently creates an empty store there (pipeline/config.py, "project"):
+      - "any": nothing (commands that create: train, register, demo, run);
+      - "read": a project must be found (a pipeline.yaml or `.state/mlflow.db` up the tree), or
+        a tracking URI configured; an embedded store not created yet reads as empty;
+      - "existing": the registry must already exist (publish, promote, rollback, ui, follow-alias).
 
     `pipeline.config` (pydantic-settings, ~0.4 s to import) loads here, when a command first
     needs the config, not when `pipeline --help` starts.
+
+    Raises UsageError (exit 2) naming the directory searched and the store that would be used.
     """
     from pipeline.config import load_config  # lazy: pydantic-settings, ~0.4 s
 
     ctx = click.get_current_context(silent=True)
-    return load_config(ctx.meta.get(CONFIG_META) if ctx else None)
+    cfg = load_config(ctx.meta.get(CONFIG_META) if ctx else None)
+    if store in ("read", "existing") and not cfg.found and not cfg.store_exists():
+        raise UsageError(
+            f"not inside a lora-pipeline project: no pipeline.yaml or .state/mlflow.db in {cfg.root} or "
+            "any parent; cd into the project, pass --config FILE or set PIPELINE_CONFIG "
+            "(or MLFLOW_TRACKING_URI for a registry server)"
+        )
+    if store == "existing" and not cfg.store_exists():
+        raise UsageError(
+            f"no registry yet at {cfg.embedded_store} ({cfg.where()}): nothing has been registered in this "
+            "project (`pipeline register` or `pipeline demo` creates it)"
+        )
+    log.debug("%s", cfg.where())
+    return cfg
 
 
 def exit_as(cls: type[PipelineError], failed: bool = True) -> None:
