@@ -172,14 +172,20 @@ def check_inputs(
         problems.append(f"{msg} (override with --allow logits_memory)")
     if problems:
         raise CheckFailed("training config refused:\n  " + "\n  ".join(problems))
-    ds = (tc.data.get("datasets") or [{}])[0]
+    # each file with its own datasets entry (field mappings, roles, roles_to_train), as axolotl reads it
+    formats = {
+        str(Path(d["path"])): d
+        for key in ("datasets", "test_datasets")
+        for d in tc.data.get(key) or []
+        if isinstance(d, dict) and d.get("path")
+    }
     report = check_datasets(
         tc.dataset_paths("datasets"),
         tc.dataset_paths("test_datasets"),
-        field_messages=ds.get("field_messages", "messages"),
-        roles_to_train=ds.get("roles_to_train") or ["assistant"],
         tokenizer=_load_tokenizer(str(tc.data.get("base_model"))),
         sequence_len=tc.data.get("sequence_len"),
+        formats=formats,
+        config=tc.data,
     )
     if not report.ok:
         shown = "\n  ".join(str(f) for f in report.errors[:30])
