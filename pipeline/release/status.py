@@ -48,9 +48,10 @@ def _fleet_rows(cfg: ProjectConfig) -> tuple[list[dict] | None, str | None]:
     if not cfg.fleet.instances:
         return None, None
     try:
-        from pipeline.fleet.reconcile import (
-            status as fleet_status,  # lazy: httpx + fleet client, only with instances
-        )
+        # httpx + the fleet client cost ~1 s; only a project with instances needs them
+        from pipeline.fleet import reconcile  # lazy: httpx + fleet client, only with instances
+
+        fleet_status = reconcile.status
 
         rows = fleet_status(cfg)
     except Exception as e:  # a broken fleet must not hide the registry
