@@ -389,9 +389,9 @@ def progress_of(records: list[dict], started: float, now: float | None = None) -
         p.tokens_per_s = (tok[-1]["tokens/total"] - tok[0]["tokens/total"]) / (
             tok[-1]["time"] - tok[0]["time"]
         )
-    first = next((r for r in logs if "time" in r and r.get("step")), None)
-    if first and p.total and p.step > int(first["step"]) and "time" in last:
-        per_step = (last["time"] - first["time"]) / (p.step - int(first["step"]))
+    train = [r for r in logs if "loss" in r and "time" in r and r.get("step")]  # evaluations take extra time
+    if len(train) >= 2 and p.total and int(train[-1]["step"]) > int(train[0]["step"]):
+        per_step = (train[-1]["time"] - train[0]["time"]) / (int(train[-1]["step"]) - int(train[0]["step"]))
         p.eta_s = per_step * max(p.total - p.step, 0)
     return p
 
