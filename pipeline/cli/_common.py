@@ -95,6 +95,15 @@ NOISY_LOGGERS = (
 )
 
 
+# Environment that quiets the libraries in this process (set only where the user did not).
+QUIET_ENV = {
+    "TORCH_LOGS": "-torch",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
 def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     """The `pipeline` logger on stderr: INFO by default, DEBUG with `--verbose`, WARNING with `--quiet`.
 
@@ -121,13 +130,13 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     warnings.filterwarnings("default", module=r"pipeline(\.|$)")
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    for k, v in (
-        ("TRANSFORMERS_VERBOSITY", "error"),
-        ("TORCH_CPP_LOG_LEVEL", "ERROR"),
-        ("PYTHONWARNINGS", "ignore"),
-        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
-    ):
-        os.environ.setdefault(k, v)
+    quieted = []
+    for k, v in QUIET_ENV.items():  # torch's own log handler ignores `logging` levels: TORCH_LOGS=-torch
+        if k not in os.environ:
+            os.environ[k] = v
+            quieted.append(k)
+    # child processes (the trainer) keep their own warnings in train.log: `train_env` drops these
+    os.environ["PIPELINE_QUIETED_ENV"] = ",".join(quieted)
 
 
 def report_error(exc: BaseException, code: int) -> None:
@@ -141,10 +150,22 @@ def report_error(exc: BaseException, code: int) -> None:
 class PipelineGroup(TyperGroup):
     """The main app's click group: maps `pipeline.errors` exceptions to exit codes for every command."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["pipeline.argv"] = list(args)  # for errors raised before `--json` itself is parsed
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.ClickException as e:
+            # a parse error (bad value, missing option) before `--json` was read: JSON all the same
+            if "--json" in ctx.meta.get("pipeline.argv", ()) or json_requested():
+                typer.echo(
+                    json.dumps({"error": e.format_message(), "type": "UsageError", "exit_code": e.exit_code})
+                )
+                raise typer.Exit(e.exit_code) from None
             raise
         except Exception as e:
             code = exit_code_for(e)

@@ -112,7 +112,10 @@ def _tag(target: dict, manifest: dict, out: Path, explicit: bool) -> None:
     """Put the verdict on the MLflow version; a version named only by the adapter's manifest is best effort."""
     try:
         registry.set_version_tags(
-            project_config(), target["name"], int(target["version"]), parity_tags(manifest, out)
+            project_config(store="existing"),
+            target["name"],
+            int(target["version"]),
+            parity_tags(manifest, out),
         )
     except Exception as e:
         if explicit:

@@ -129,6 +129,8 @@ class TrainResult:
 def train_env(extra: dict | None = None) -> dict:
     """Environment for the axolotl child: offline, no telemetry."""
     env = dict(os.environ)
+    for k in env.pop("PIPELINE_QUIETED_ENV", "").split(","):  # the CLI's quiet settings are for the CLI only
+        env.pop(k, None)
     env.update(
         {
             "AXOLOTL_DO_NOT_TRACK": "1",

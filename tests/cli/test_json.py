@@ -63,3 +63,20 @@ def test_register_publish_promote_rollback_json(registry_project, two_adapters, 
     assert r.exit_code == 2 and "not found" in _json(r)["error"]
     r = run(app, ["register", "/nonexistent", "--name", name, "--json"], env=env)
     assert r.exit_code == 2 and _json(r)["exit_code"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["publish", "x", "--version", "abc", "--json"], "not a valid integer"),  # click's parse error
+        (["status", "--bogus", "--json"], "No such option"),
+        (["rollback", "--json"], "Missing argument"),
+    ],
+)
+def test_parse_errors_are_json_too(args, says, tmp_path, monkeypatch):
+    """Sibling: errors click raises before `--json` itself is read are JSON under `--json` as well."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2
+    err = json.loads(r.stdout)
+    assert says in err["error"] and err["exit_code"] == 2
