@@ -186,7 +186,7 @@ def project_config(store: str = "any"):
       - "any": nothing (commands that create: train, register, demo, run);
       - "read": a project must be found (a pipeline.yaml or `.state/mlflow.db` up the tree), or
         a tracking URI configured; an embedded store not created yet reads as empty;
-      - "existing": the registry must already exist (publish, promote, rollback, ui, follow-alias).
+      - "existing": the registry must already exist (publish, promote, rollback, ui).
 
     `pipeline.config` (pydantic-settings, ~0.4 s to import) loads here, when a command first
     needs the config, not when `pipeline --help` starts.

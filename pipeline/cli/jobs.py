@@ -80,7 +80,7 @@ def follow_alias_cmd(
     """Publish a model's ALIAS version whenever the alias moves.
 
     Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
-    cfg = project_config(store="existing")
+    cfg = project_config(store="read")  # a sidecar may start before the first registration
     wake = threading.Event()
     ctx = contextlib.nullcontext()
     if webhook_port is not None:
