@@ -38,14 +38,30 @@ def test_a_resumed_session_counts_from_its_own_begin():
     assert p.step == 7 and p.tokens_per_s is None and p.eta_s is None
 
 
-def test_lines_mode_logs_at_an_interval(tmp_path, caplog):
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_lines_mode_logs_at_an_interval(tmp_path):
     """A child that runs ~1.5 s gives periodic lines and a final one, through logging (so -q hides them)."""
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(__import__("json").dumps(r) for r in _records()) + "\n")
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
-    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+    logger = logging.getLogger("pipeline.train")  # the CLI's handler sits on `pipeline`, not on root
+    h, level = _Collect(), logger.level
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    try:
         _progress_loop(proc, metrics, "lines", interval_s=0.4)
-    lines = [r.getMessage() for r in caplog.records]
+    finally:
+        logger.removeHandler(h)
+        logger.setLevel(level)
+    lines = h.lines
     assert len(lines) >= 3 and all(ln.startswith("train: step 6/12") for ln in lines)
     assert lines[-1].endswith("(trainer exited 0)")
 
