@@ -178,7 +178,7 @@ class PipelineGroup(TyperGroup):
 CONFIG_META = "pipeline.config_file"
 
 
-def project_config(store: str = "any"):
+def project_config(store: str = "any", what: str | None = None):
     """The project config in effect (`--config`, `$PIPELINE_CONFIG`, or the project found up the tree).
 
     `store` says what the command needs of the registry, so that no command run outside the
@@ -190,6 +190,8 @@ def project_config(store: str = "any"):
 
     `pipeline.config` (pydantic-settings, ~0.4 s to import) loads here, when a command first
     needs the config, not when `pipeline --help` starts.
+
+    `what` names what the command looks for (e.g. "registered model 'chat'") in the message.
 
     Raises UsageError (exit 2) naming the directory searched and the store that would be used.
     """
@@ -205,8 +207,9 @@ def project_config(store: str = "any"):
         )
     if store == "existing" and not cfg.store_exists():
         raise UsageError(
-            f"no registry yet at {cfg.embedded_store} ({cfg.where()}): nothing has been registered in this "
-            "project (`pipeline register` or `pipeline demo` creates it)"
+            (f"{what} not found: " if what else "")
+            + f"no registry yet at {cfg.embedded_store} ({cfg.where()}): nothing has been registered in "
+            "this project (`pipeline register` or `pipeline demo` creates it)"
         )
     log.debug("%s", cfg.where())
     return cfg

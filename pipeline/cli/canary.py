@@ -100,7 +100,9 @@ def canary(
     Exit 0 pass, 1 fail, 2 usage, 4 staging unreachable.
     """
     # a registered name needs the registry to exist already (never create an empty store here)
-    cfg = project_config(store="any" if Path(adapter).is_dir() else "existing")
+    cfg = project_config(
+        store="any" if Path(adapter).is_dir() else "existing", what=f"registered model {adapter!r}"
+    )
     files = list(validation) or None
     try:
         if Path(adapter).is_dir():

@@ -26,7 +26,9 @@ def publish(
     """Publish a validated version to the adapter volume and the fleet.
 
     Publish a validated version to <volume>/<NAME>-v<N>/ atomically; alias `production` follows."""
-    res = do_publish(project_config(store="existing"), name, version, alias)
+    res = do_publish(
+        project_config(store="existing", what=f"registered model {name!r}"), name, version, alias
+    )
     if as_json:
         return emit_json(dataclasses.asdict(res))
     what = "published" if res.created else "already on the volume (not rewritten)"
@@ -51,7 +53,9 @@ def promote(
     """Move alias `production` to VERSION and publish it.
 
     Move alias `production` to VERSION and publish it (volume, then the fleet if configured)."""
-    res = do_publish(project_config(store="existing"), name, version=version)
+    res = do_publish(
+        project_config(store="existing", what=f"registered model {name!r}"), name, version=version
+    )
     if as_json:
         return emit_json(dataclasses.asdict(res))
     prev = (
@@ -73,7 +77,7 @@ def rollback(
     """Make an earlier version desired, move `production` back, sync the fleet.
 
     Make an earlier version desired, move alias `production` back, and sync the fleet. Exit 4: not converged."""
-    cfg = project_config(store="existing")
+    cfg = project_config(store="existing", what=f"registered model {name!r}")
     cur, target, reports = fleet_rollback(cfg, name, to)
     if as_json:
         emit_json(
