@@ -5,6 +5,13 @@ Precedence, highest first: environment (`PIPELINE_<SECTION>__<FIELD>`, e.g.
 file, the defaults below. Relative paths in the file are resolved against the file's
 directory; without a file, against the working directory.
 
+The project is found the way git finds a repository: `--config`, `$PIPELINE_CONFIG`, else the
+nearest `pipeline.yaml` walking up from the working directory, else the nearest directory holding
+the embedded store (`.state/mlflow.db`). The walk stops at a directory holding `.git` (a
+repository's root) or the filesystem's root. Without either, the working directory is the
+project root (`ProjectConfig.found` is False): commands that only read say so instead of
+creating an empty store there.
+
 Errors: `ConfigError` names the file and the offending field.
 """
 
@@ -23,6 +30,8 @@ from pipeline.serving.vllm import LORA_RANKS
 
 CONFIG_ENV = "PIPELINE_CONFIG"
 DEFAULT_CONFIG_NAME = "pipeline.yaml"
+DEFAULT_STATE_DIR = ".state"
+EMBEDDED_DB = "mlflow.db"
 
 
 class _Section(BaseModel):
@@ -197,6 +206,10 @@ class ProjectConfig(BaseSettings):
     canary: CanarySection = Field(default_factory=CanarySection)
 
     source: Path | None = Field(None, exclude=True, description="file this config was read from")
+    root: Path | None = Field(None, exclude=True, description="project root relative paths resolve against")
+    found: bool = Field(
+        True, exclude=True, description="a pipeline.yaml or an existing state dir located the project"
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -215,6 +228,29 @@ class ProjectConfig(BaseSettings):
     def tracking_uri(self) -> str:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or self.registry.tracking_uri
         return uri or f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
+
+    @property
+    def embedded_store(self) -> Path | None:
+        """The sqlite file of the embedded default store, or None when a tracking URI is configured."""
+        if os.environ.get("MLFLOW_TRACKING_URI") or self.registry.tracking_uri:
+            return None
+        return (self.state_dir / EMBEDDED_DB).resolve()
+
+    def store_exists(self) -> bool:
+        """False only for an embedded default store that was never created (nothing registered yet)."""
+        db = self.embedded_store
+        return db is None or db.exists()
+
+    def where(self) -> str:
+        """One line naming the project and store in use, for messages (credentials redacted)."""
+        import re
+
+        origin = (
+            f"config {self.source}"
+            if self.source
+            else (f"project {self.root}" if self.found else f"no project found from {self.root}")
+        )
+        return f"{origin}; registry {re.sub(r'://[^/@]+@', '://***@', self.tracking_uri)}"
 
     @property
     def artifact_root(self) -> Path:
@@ -239,14 +275,31 @@ def _resolve_paths(cfg: ProjectConfig, root: Path) -> ProjectConfig:
     return cfg
 
 
+def find_project(start: Path | None = None) -> tuple[Path | None, Path | None]:
+    """(pipeline.yaml, project root) found walking up from `start` (default: the working directory).
+
+    A directory is the project root when it holds `pipeline.yaml` (returned as the first
+    element) or the embedded store `.state/mlflow.db` (first element None). The walk stops
+    after a directory holding `.git` and at the filesystem root; (None, None) when nothing is found.
+    """
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / DEFAULT_CONFIG_NAME).is_file():
+            return d / DEFAULT_CONFIG_NAME, d
+        if (d / DEFAULT_STATE_DIR / EMBEDDED_DB).is_file():
+            return None, d
+        if (d / ".git").exists():
+            break
+    return None, None
+
+
 def find_config(explicit: Path | None = None) -> Path | None:
-    """The config file in effect: explicit path, `$PIPELINE_CONFIG`, or `./pipeline.yaml`."""
+    """The config file in effect: explicit path, `$PIPELINE_CONFIG`, or the nearest `pipeline.yaml` up the tree."""
     if explicit is not None:
         return explicit
     if os.environ.get(CONFIG_ENV):
         return Path(os.environ[CONFIG_ENV])
-    p = Path.cwd() / DEFAULT_CONFIG_NAME
-    return p if p.exists() else None
+    return find_project()[0]
 
 
 def load_config(path: Path | None = None) -> ProjectConfig:
@@ -255,7 +308,13 @@ def load_config(path: Path | None = None) -> ProjectConfig:
     Raises:
         ConfigError: the file is missing (when given explicitly), not YAML, or fails the schema.
     """
-    path = find_config(path)
+    root: Path | None = None
+    found = True
+    if path is None and not os.environ.get(CONFIG_ENV):
+        path, root = find_project()
+        found = root is not None
+    else:
+        path = find_config(path)
     data: dict = {}
     if path is not None:
         if not path.exists():
@@ -280,4 +339,6 @@ def load_config(path: Path | None = None) -> ProjectConfig:
             lines.append(f"  {loc}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from e
     cfg.source = path.resolve() if path else None
-    return _resolve_paths(cfg, path.resolve().parent if path else Path.cwd())
+    cfg.root = path.resolve().parent if path else (root or Path.cwd().resolve())
+    cfg.found = found
+    return _resolve_paths(cfg, cfg.root)

@@ -46,3 +46,29 @@ def test_unknown_key_and_bad_yaml(tmp_path):
 def test_missing_explicit_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_project_is_found_walking_up(tmp_path, monkeypatch):
+    """Issue 17 item 6: like git, the nearest pipeline.yaml (or .state/mlflow.db) up the tree is the project."""
+    from pipeline.config import find_project, load_config
+
+    monkeypatch.delenv("PIPELINE_CONFIG", raising=False)
+    (tmp_path / ".git").mkdir()  # the walk stops at a repository's root
+    proj = tmp_path / "proj"
+    (proj / "sub" / "deeper").mkdir(parents=True)
+    (proj / "pipeline.yaml").write_text("volume: {path: vol}\n")
+    monkeypatch.chdir(proj / "sub" / "deeper")
+    cfg = load_config()
+    assert cfg.found and cfg.source == proj / "pipeline.yaml" and cfg.volume.path == proj / "vol"
+    assert cfg.tracking_uri == f"sqlite:///{proj / '.state' / 'mlflow.db'}" and not cfg.store_exists()
+    # no pipeline.yaml: the embedded store marks the root
+    (proj / "pipeline.yaml").unlink()
+    (proj / ".state").mkdir()
+    (proj / ".state" / "mlflow.db").write_bytes(b"")
+    assert find_project() == (None, proj)
+    cfg = load_config()
+    assert cfg.found and cfg.root == proj and cfg.store_exists()
+    # nothing up to the repository root: not found, the working directory stands in
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config()
+    assert not cfg.found and cfg.root == tmp_path and find_project() == (None, None)

@@ -21,7 +21,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from pipeline import __version__
-from pipeline.cli._common import CONFIG_META, PipelineGroup
+from pipeline.cli._common import CONFIG_META, PipelineGroup, setup_logging
 
 # name -> (module under pipeline.cli, is a command group, one-line summary), in stage order:
 # train -> validate -> register -> publish, then the fleet and the jobs around them.
@@ -117,5 +117,17 @@ def main(
         bool,
         typer.Option("--version", help="print the version and exit", callback=_print_version, is_eager=True),
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="debug messages and third-party warnings on stderr")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="only warnings and errors on stderr (no progress)")
+    ] = False,
 ):
+    """Train, validate, register and publish LoRA adapters for a vLLM fleet.
+
+    Results go to stdout (`--json` on a command: one JSON document, errors too); progress and
+    messages go to stderr through logging (`-v` more, `-q` less).
+    """
     ctx.meta[CONFIG_META] = config_file
+    setup_logging(verbose=verbose, quiet=quiet)

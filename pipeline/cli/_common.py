@@ -8,6 +8,7 @@ group class of the main app) catches them for every command, so a command needs 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated
 
 import click
@@ -22,6 +23,8 @@ from pipeline.errors import (
     PipelineError,
     UsageError,
 )
+
+log = logging.getLogger("pipeline")
 
 # Exit codes by exception class; a subclass takes its nearest listed ancestor's code.
 EXIT_CODES: dict[type[BaseException], int] = {
@@ -102,6 +105,74 @@ JsonOption = Annotated[
 ]
 
 
+def emit_json(data) -> None:
+    """One JSON document on stdout (the only thing a `--json` command prints there)."""
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+# Third-party loggers that are noise for an operator (torchao's missing kernels, torch's pytree
+# deprecations, Triton, transformers' advice): shown with `--verbose` only.
+NOISY_LOGGERS = (
+    "torch",
+    "torchao",
+    "triton",
+    "transformers",
+    "accelerate",
+    "axolotl",
+    "peft",
+    "mlflow",
+    "alembic",
+    "urllib3",
+    "httpx",
+    "datasets",
+    "bitsandbytes",
+)
+
+
+# Environment that quiets the libraries in this process (set only where the user did not).
+QUIET_ENV = {
+    "TORCH_LOGS": "-torch",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
+def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
+    """The `pipeline` logger on stderr: INFO by default, DEBUG with `--verbose`, WARNING with `--quiet`.
+
+    Progress and stage messages are log records (logger `pipeline.*`), so `--quiet` silences them
+    and stdout stays for results (`--json`). Without `--verbose`, third-party warnings (Python
+    `warnings` outside the pipeline, and the `NOISY_LOGGERS`) are hidden; child processes inherit
+    the libraries' own quiet settings through the environment.
+    """
+    import os
+    import sys
+    import warnings
+
+    level = logging.DEBUG if verbose else (logging.WARNING if quiet else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(message)s" if not verbose else "%(levelname)s %(name)s: %(message)s")
+    )
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+    if verbose:
+        return
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"pipeline(\.|$)")
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    quieted = []
+    for k, v in QUIET_ENV.items():  # torch's own log handler ignores `logging` levels: TORCH_LOGS=-torch
+        if k not in os.environ:
+            os.environ[k] = v
+            quieted.append(k)
+    # child processes (the trainer) keep their own warnings in train.log: `train_env` drops these
+    os.environ["PIPELINE_QUIETED_ENV"] = ",".join(quieted)
+
+
 def report_error(exc: BaseException, code: int) -> None:
     """An error as one line on stderr, or as a JSON object on stdout under `--json`."""
     if json_requested():
@@ -113,10 +184,22 @@ def report_error(exc: BaseException, code: int) -> None:
 class PipelineGroup(TyperGroup):
     """The main app's click group: maps `pipeline.errors` exceptions to exit codes for every command."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["pipeline.argv"] = list(args)  # for errors raised before `--json` itself is parsed
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.ClickException as e:
+            # a parse error (bad value, missing option) before `--json` was read: JSON all the same
+            if "--json" in ctx.meta.get("pipeline.argv", ()) or json_requested():
+                typer.echo(
+                    json.dumps({"error": e.format_message(), "type": "UsageError", "exit_code": e.exit_code})
+                )
+                raise typer.Exit(e.exit_code) from None
             raise
         except Exception as e:
             code = exit_code_for(e)
@@ -132,16 +215,41 @@ class PipelineGroup(TyperGroup):
 CONFIG_META = "pipeline.config_file"
 
 
-def project_config():
-    """The project config in effect (`--config`, `$PIPELINE_CONFIG`, or ./pipeline.yaml).
+def project_config(store: str = "any", what: str | None = None):
+    """The project config in effect (`--config`, `$PIPELINE_CONFIG`, or the project found up the tree).
+
+    `store` says what the command needs of the registry, so that no command run outside the
+    project silently creates an empty store there (pipeline/config.py, "project"):
+      - "any": nothing (commands that create: train, register, demo, run);
+      - "read": a project must be found (a pipeline.yaml or `.state/mlflow.db` up the tree), or
+        a tracking URI configured; an embedded store not created yet reads as empty;
+      - "existing": the registry must already exist (publish, promote, rollback, ui).
 
     `pipeline.config` (pydantic-settings, ~0.4 s to import) loads here, when a command first
     needs the config, not when `pipeline --help` starts.
+
+    `what` names what the command looks for (e.g. "registered model 'chat'") in the message.
+
+    Raises UsageError (exit 2) naming the directory searched and the store that would be used.
     """
     from pipeline.config import load_config  # lazy: pydantic-settings, ~0.4 s
 
     ctx = click.get_current_context(silent=True)
-    return load_config(ctx.meta.get(CONFIG_META) if ctx else None)
+    cfg = load_config(ctx.meta.get(CONFIG_META) if ctx else None)
+    if store in ("read", "existing") and not cfg.found and not cfg.store_exists():
+        raise UsageError(
+            f"not inside a lora-pipeline project: no pipeline.yaml or .state/mlflow.db in {cfg.root} or "
+            "any parent; cd into the project, pass --config FILE or set PIPELINE_CONFIG "
+            "(or MLFLOW_TRACKING_URI for a registry server)"
+        )
+    if store == "existing" and not cfg.store_exists():
+        raise UsageError(
+            (f"{what} not found: " if what else "")
+            + f"no registry yet at {cfg.embedded_store} ({cfg.where()}): nothing has been registered in "
+            "this project (`pipeline register` or `pipeline demo` creates it)"
+        )
+    log.debug("%s", cfg.where())
+    return cfg
 
 
 def exit_as(cls: type[PipelineError], failed: bool = True) -> None:

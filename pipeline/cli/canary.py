@@ -99,7 +99,10 @@ def canary(
     vs base. A registered version gets the result as `canary.*` tags (see `pipeline status`).
     Exit 0 pass, 1 fail, 2 usage, 4 staging unreachable.
     """
-    cfg = project_config()
+    # a registered name needs the registry to exist already (never create an empty store here)
+    cfg = project_config(
+        store="any" if Path(adapter).is_dir() else "existing", what=f"registered model {adapter!r}"
+    )
     files = list(validation) or None
     try:
         if Path(adapter).is_dir():

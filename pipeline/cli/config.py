@@ -17,7 +17,13 @@ def show(as_json: JsonOption = False):
     cfg = project_config()
     data = json.loads(cfg.model_dump_json())
     data["source"] = str(cfg.source) if cfg.source else None
-    data["effective"] = {"tracking_uri": cfg.tracking_uri, "artifact_root": str(cfg.artifact_root)}
+    data["effective"] = {
+        "tracking_uri": cfg.tracking_uri,
+        "artifact_root": str(cfg.artifact_root),
+        "project_root": str(cfg.root),
+        "project_found": cfg.found,  # False: no pipeline.yaml or .state/mlflow.db up the tree
+        "store_exists": cfg.store_exists(),
+    }
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:

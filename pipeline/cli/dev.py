@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import adapter_name, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, log, project_config
 from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.tinybase import build_tiny_base
@@ -69,9 +69,12 @@ def real_base(
 def demo(
     name: Annotated[str, typer.Option(help="adapter name", callback=adapter_name)] = "agent-tools",
     config: Annotated[Path, typer.Option(help="axolotl config")] = Path("axolotl_configs/tiny-cpu.yml"),
+    as_json: JsonOption = False,
 ):
     """Run the main job on the embedded default: tiny base to published adapter.
 
     Stages: tiny base, dataset check + axolotl training, validate, register (sqlite MLflow), publish.
     """
-    run_demo(project_config(), name=name, axolotl_config=config, echo=typer.echo)
+    summary = run_demo(project_config(), name=name, axolotl_config=config, echo=log.info, table=not as_json)
+    if as_json:
+        emit_json(summary)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import adapter_name, as_pipeline_error, err, exit_code_for, project_config
+from pipeline.cli._common import adapter_name, as_pipeline_error, err, exit_code_for, log, project_config
 from pipeline.errors import GateFailed, UsageError
 from pipeline.jobs.follow import WebhookReceiver, follow_alias
 from pipeline.jobs.run import run
@@ -48,8 +47,8 @@ def run_cmd(
             overrides=set_,
             overlays=overlay,
             allow=set(allow),
-            echo=lambda m: typer.echo(m, err=True),
-            show_progress=sys.stderr.isatty(),
+            echo=log.info,
+            show_progress=True,  # a bar on a terminal, a progress line every 30 s otherwise
         )
     except GateFailed as e:
         err(str(e))
@@ -89,7 +88,7 @@ def follow_alias_cmd(
     """Publish a model's ALIAS version whenever the alias moves.
 
     Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
-    cfg = project_config()
+    cfg = project_config(store="read")  # a sidecar may start before the first registration
     wake = threading.Event()
     ctx = contextlib.nullcontext()
     if webhook_port is not None:

@@ -11,7 +11,7 @@ import typer
 
 from pipeline import registry
 from pipeline.artifacts.manifest import read_manifest
-from pipeline.cli._common import adapter_name, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, project_config
 from pipeline.errors import UsageError
 from pipeline.merge import merge_adapter, registered_version
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
@@ -55,6 +55,7 @@ def merge(
     threads: Annotated[
         int, typer.Option(help="torch threads for the merge arithmetic (0: torch default)")
     ] = 1,
+    as_json: JsonOption = False,
 ):
     """Merge an adapter into the bf16 base, streamed, gated on parity.
 
@@ -74,7 +75,7 @@ def merge(
             base,
             out,
             dtype=dtype.value,
-            progress=progress and sys.stderr.isatty(),
+            progress=progress and sys.stderr.isatty() and not as_json,
             hash_files=hash_files,
             finalize=gate,
             threads=threads or None,
@@ -86,6 +87,17 @@ def merge(
     if target:
         _tag(target, res.manifest, out, explicit=name is not None)
     m, p = res.manifest["merge"], res.manifest["parity"]
+    if as_json:
+        return emit_json(
+            {
+                "out": str(res.out),
+                "merge": m,
+                "parity": p,
+                "bytes_written": res.bytes_written,
+                "seconds": round(res.seconds, 3),
+                "tagged": target,
+            }
+        )
     detail = (
         f"max |diff| {p['max_abs_diff']:.3g} <= {p['tolerance']:.3g}, greedy equal {p['greedy_equal']}, {p['seconds']} s"
         if p["verdict"] != "skipped"
@@ -102,7 +114,10 @@ def _tag(target: dict, manifest: dict, out: Path, explicit: bool) -> None:
     """Put the verdict on the MLflow version; a version named only by the adapter's manifest is best effort."""
     try:
         registry.set_version_tags(
-            project_config(), target["name"], int(target["version"]), parity_tags(manifest, out)
+            project_config(store="existing"),
+            target["name"],
+            int(target["version"]),
+            parity_tags(manifest, out),
         )
     except Exception as e:
         if explicit:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
+import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pipeline import registry
-from pipeline.cli._common import JsonOption, adapter_name, err, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, err, exit_as, log, project_config
 from pipeline.errors import CheckFailed, UsageError
+from pipeline.registry.read import read_models
 from pipeline.registry.ui import model_url, start
 from pipeline.release.status import collect, render
 from pipeline.validate import validate_with_config
@@ -28,10 +29,12 @@ def register(
         typer.Option(help="registered model name (the fleet's stable adapter name)", callback=adapter_name),
     ],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
+    as_json: JsonOption = False,
 ):
     """Validate, then record the adapter in MLflow as a model version.
 
-    Validate, then record the adapter in MLflow as a model version with alias `candidate`."""
+    Validate, then record the adapter in MLflow as a model version with alias `candidate`.
+    Exit 1 when validation failed (the version is registered for lineage; publish refuses it)."""
     cfg = project_config()
     if not adapter.is_dir():  # also a symlink loop or a path through a file: before validation reads it
         raise UsageError(
@@ -39,15 +42,29 @@ def register(
         )
     rep = validate_with_config(cfg, adapter, base)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
-    typer.echo(
-        f"registered {reg.name} version {reg.version} (alias candidate), validation {rep.verdict}, "
-        f"model {reg.model_id}, run {reg.run_id}"
-    )
+    failed = sorted({c.id for c in rep.checks if c.severity == "error"})
+    if as_json:
+        emit_json(
+            {
+                "name": reg.name,
+                "version": reg.version,
+                "alias": registry.ALIAS_CANDIDATE,
+                "verdict": rep.verdict,
+                "failed_checks": failed,
+                "model_id": reg.model_id,
+                "run_id": reg.run_id,
+                "source": reg.source,
+            }
+        )
+    else:
+        typer.echo(
+            f"registered {reg.name} version {reg.version} (alias candidate), validation {rep.verdict}, "
+            f"model {reg.model_id}, run {reg.run_id}"
+        )
     if not rep.passed:  # recorded for lineage, but it must not look like a success
-        failed = ", ".join(sorted({c.id for c in rep.checks if c.severity == "error"}))
         err(
-            f"validation failed ({failed}): version {reg.version} is registered but `publish` will refuse it; "
-            f"see `pipeline validate {adapter}`"
+            f"validation failed ({', '.join(failed)}): version {reg.version} is registered but `publish` will "
+            f"refuse it; see `pipeline validate {adapter}`"
         )
         exit_as(CheckFailed)
 
@@ -62,12 +79,24 @@ def status(
 ):
     """Versions, aliases, verdicts, published paths and what instances serve.
 
-    Versions, aliases, validation verdict, published path and what each instance serves."""
-    data = collect(project_config(), name, fleet=fleet)
+    Versions, aliases, validation verdict, gate outcome, published path and what each instance
+    serves. Reads the registry without starting MLflow (docs/registry.md, "Speed") and never
+    creates a store: outside a project it says so (exit 2)."""
+    data = collect(project_config(store="read"), name, fleet=fleet)
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        emit_json(data)
     else:
         render(data)
+
+
+def _end_on_signals() -> None:
+    """SIGTERM/SIGHUP end `pipeline ui` like Ctrl-C does (so `finally` stops the server)."""
+
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, handler)
 
 
 @app.command()
@@ -77,20 +106,22 @@ def ui(
 ):
     """Start the MLflow UI on 127.0.0.1 against the project's store.
 
-    Start the MLflow UI on 127.0.0.1 against the project's store; Ctrl-C stops it."""
-    cfg = project_config()
+    Start the MLflow UI on 127.0.0.1 against the project's store; Ctrl-C (or SIGTERM, SIGHUP)
+    stops it, and the server ends with this command even when it is killed."""
+    cfg = project_config(store="existing")
     registry.check_store(cfg)  # a store that cannot be used fails now, not after the server's start-up
     if registry.is_server_uri(cfg.tracking_uri):
         typer.echo(f"the registry is a server: {model_url(cfg.tracking_uri, name)}")
         return
-    typer.echo(f"starting mlflow server (log: {cfg.state_dir / 'mlflow-ui.log'}) ...")
+    _end_on_signals()
+    log.info("starting mlflow server (log: %s) ...", cfg.state_dir / "mlflow-ui.log")
     server = start(cfg, port=port)
     try:
-        names = [name] if name else registry.model_names(cfg)
+        names = [name] if name else [m.name for m in read_models(cfg)]
         typer.echo(f"MLflow UI: {model_url(server.url)}")
         for n in names:
             typer.echo(f"  {n}: {model_url(server.url, n)}")
-        typer.echo("Ctrl-C to stop")
+        log.info("Ctrl-C to stop")
         server.proc.wait()
     except KeyboardInterrupt:
         pass

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import adapter_name, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, exit_as, project_config
 from pipeline.cli.fleet import print_reports
 from pipeline.errors import FleetError
 from pipeline.release.publish import publish as do_publish
@@ -20,11 +21,16 @@ def publish(
     name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
     version: Annotated[int | None, typer.Option(help="model version")] = None,
     alias: Annotated[str | None, typer.Option(help="model alias, e.g. candidate")] = None,
+    as_json: JsonOption = False,
 ):
     """Publish a validated version to the adapter volume and the fleet.
 
     Publish a validated version to <volume>/<NAME>-v<N>/ atomically; alias `production` follows."""
-    res = do_publish(project_config(), name, version, alias)
+    res = do_publish(
+        project_config(store="existing", what=f"registered model {name!r}"), name, version, alias
+    )
+    if as_json:
+        return emit_json(dataclasses.asdict(res))
     what = "published" if res.created else "already on the volume (not rewritten)"
     typer.echo(f"{what}: {res.name} v{res.version} -> {res.path}")
     if res.previous_production not in (None, res.version):
@@ -42,11 +48,16 @@ def publish(
 def promote(
     name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
     version: Annotated[int, typer.Argument(help="model version to ship")],
+    as_json: JsonOption = False,
 ):
     """Move alias `production` to VERSION and publish it.
 
     Move alias `production` to VERSION and publish it (volume, then the fleet if configured)."""
-    res = do_publish(project_config(), name, version=version)
+    res = do_publish(
+        project_config(store="existing", what=f"registered model {name!r}"), name, version=version
+    )
+    if as_json:
+        return emit_json(dataclasses.asdict(res))
     prev = (
         f" (previous: v{res.previous_production})"
         if res.previous_production not in (None, res.version)
@@ -63,13 +74,26 @@ def rollback(
     to: Annotated[
         int | None, typer.Option("--to", help="version (default: the previously desired one)")
     ] = None,
+    as_json: JsonOption = False,
 ):
     """Make an earlier version desired, move `production` back, sync the fleet.
 
     Make an earlier version desired, move alias `production` back, and sync the fleet. Exit 4: not converged."""
-    cfg = project_config()
+    cfg = project_config(store="existing", what=f"registered model {name!r}")
     res = fleet_rollback(cfg, name, to)
     cur, target, reports = res
+    if as_json:
+        emit_json(
+            {
+                "name": name,
+                "from_version": cur,
+                "to_version": target,
+                "notes": list(res.notes),
+                "instances": [r.to_dict() for r in reports],
+            }
+        )
+        exit_as(FleetError, not all(r.ok for r in reports))
+        return
     typer.echo(f"{name}: desired version v{cur} -> v{target}; alias production -> {target}")
     for n in res.notes:
         typer.echo(f"note: {n}", err=True)

@@ -27,8 +27,10 @@ def emit_cmd(
     kind: Annotated[Kind, typer.Option(help="scheduler")],
     name: Annotated[str, typer.Option(help="adapter name", callback=adapter_name)],
     config: Annotated[str, typer.Option(help="axolotl config path as the job sees it")],
-    schedule: Annotated[str, typer.Option(help="cron expression")] = "0 3 * * *",
-    gpus: int = 1,
+    schedule: Annotated[
+        str, typer.Option(help="cron expression, 5 fields (minute hour day-of-month month day-of-week)")
+    ] = "0 3 * * *",
+    gpus: Annotated[int, typer.Option(min=0, help="GPUs per run (0: CPU)")] = 1,
     image: Annotated[
         str, typer.Option(help="container image (cronjob)")
     ] = "registry.example.com/lora-pipeline:latest",
@@ -50,7 +52,14 @@ def emit_cmd(
             workdir=workdir,
         )
         files = emit(kind.value, spec)
-    except (ValidationError, ValueError) as e:
+    except ValidationError as e:  # one line per field, never pydantic's dump
+        raise UsageError(
+            "; ".join(
+                f"--{'-'.join(map(str, x['loc'])).replace('_', '-')}: {str(x['msg']).removeprefix('Value error, ')}"
+                for x in e.errors()
+            )
+        ) from None
+    except ValueError as e:
         raise UsageError(str(e)) from None
     for fname, text in files.items():
         if out:

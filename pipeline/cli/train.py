@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import adapter_name, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, project_config
 from pipeline.train.launch import train as run_train
 
 app = typer.Typer()
@@ -39,9 +38,19 @@ def train(
     launcher: Annotated[
         Launcher | None, typer.Option(help="axolotl's launcher (default: python for 1 GPU, else accelerate)")
     ] = None,
-    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    progress: Annotated[
+        bool,
+        typer.Option(
+            help="progress on stderr: a bar on a terminal, else a line every $PIPELINE_PROGRESS_INTERVAL s"
+        ),
+    ] = True,
+    as_json: JsonOption = False,
 ):
-    """Train a LoRA with axolotl; leaves <run>/adapter/ with manifest.json. Args after `--` go to the launcher."""
+    """Train a LoRA with axolotl; leaves <run>/adapter/ with manifest.json. Args after `--` go to the launcher.
+
+    Progress and messages go to stderr; the result (adapter path, run id, losses, tokens/s) to
+    stdout, as one JSON object with `--json`.
+    """
     res = run_train(
         project_config(),
         config,
@@ -52,11 +61,22 @@ def train(
         gpus=gpus,
         launcher=launcher.value if launcher else None,
         launcher_args=list(ctx.args),
-        show_progress=progress and sys.stderr.isatty(),
-        echo=typer.echo,
+        show_progress=progress,
     )
     m = res.manifest["metrics"]
+    if as_json:
+        emit_json(
+            {
+                "adapter": str(res.adapter_dir),
+                "run_dir": str(res.run_dir),
+                "run_id": res.run_id,
+                "fingerprint": (res.manifest.get("inputs") or {}).get("fingerprint"),
+                "metrics": m,
+                "seconds": round(res.seconds, 3),
+            }
+        )
+        return
     typer.echo(
         f"adapter: {res.adapter_dir}\ntrain_loss {m.get('train_loss')}  eval_loss {m.get('eval_loss')}  "
-        f"tokens/s {m.get('tokens_per_s', 0):.0f}  mfu {m.get('mfu')}  ({res.seconds:.1f} s)"
+        f"tokens/s {m.get('tokens_per_s') or 0:.0f}  mfu {m.get('mfu')}  ({res.seconds:.1f} s)"
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -15,21 +17,126 @@ from pipeline.validate import REGISTRY, default_base, validate_with_config
 app = typer.Typer()
 
 
-def render_report(rep) -> None:
-    """The report as a rich table plus the verdict line."""
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+_LORA_PARTS = {"lora_A", "lora_B", "weight", "lora_embedding_A", "lora_embedding_B", "bias"}
+
+
+@dataclass
+class Group:
+    """Identical findings (same id, severity and message once module and layer are normalised)."""
+
+    id: str
+    severity: str
+    message: str
+    wheres: list[str] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.wheres)
+
+    def where(self, limit: int = 6) -> str:
+        """One cell: the place, or `N places: modules a, b (+k more); layers 0-3` for a group."""
+        if self.count == 1:
+            return self.wheres[0]
+        files = sorted({w.split(":", 1)[0] for w in self.wheres if ":" in w})
+        paths = [w.split(":", 1)[1] if ":" in w else w for w in self.wheres]
+        modules = list(dict.fromkeys(_module(p) for p in paths if p))
+        layers = sorted({int(m[1]) for p in paths if (m := _LAYER.search(p))})
+        parts = [f"{self.count} places" + (f" in {', '.join(files)}" if files else "")]
+        if modules:
+            shown = ", ".join(modules[:limit]) + (
+                f" (+{len(modules) - limit} more)" if len(modules) > limit else ""
+            )
+            parts.append(f"modules {shown}")
+        if layers:
+            parts.append(f"layers {_ranges(layers)}")
+        return "; ".join(parts)
+
+
+def _module(path: str) -> str:
+    """`...layers.3.self_attn.q_proj.lora_A.weight` -> `self_attn.q_proj`."""
+    comps = [c for c in path.split(".") if c not in _LORA_PARTS]
+    if m := _LAYER.search(path):
+        tail = path[m.end() :].split(".")
+        comps = [c for c in tail if c not in _LORA_PARTS] or comps
+    return ".".join(comps[-2:]) if len(comps) > 1 else (comps[0] if comps else path)
+
+
+def _ranges(nums: list[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2, 5`."""
+    out, start, prev = [], nums[0], nums[0]
+    for n in nums[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(out)
+
+
+def group_findings(findings) -> list[Group]:
+    """Findings grouped by (id, severity, message with its own place and layer numbers normalised), in first-seen order."""
+    groups: dict[tuple[str, str, str], Group] = {}
+    for f in findings:
+        msg = f.message.replace(f.where, "{where}") if f.where else f.message
+        key = (f.id, f.severity, _INDEX.sub("N", msg))
+        g = groups.setdefault(key, Group(f.id, f.severity, f.message))
+        g.wheres.append(f.where)
+    return list(groups.values())
+
+
+def flatten_stats(stats: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested stats as (dotted key, value text) rows; long lists shortened."""
+    rows: list[tuple[str, str]] = []
+    for k, v in stats.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            rows += flatten_stats(v, key + ".")
+        elif isinstance(v, float):
+            rows.append((key, f"{v:.6g}"))
+        elif isinstance(v, (list, tuple)) and len(v) > 8:
+            rows.append((key, f"{', '.join(map(str, v[:8]))} ... ({len(v)} items)"))
+        elif isinstance(v, (list, tuple)):
+            rows.append((key, ", ".join(map(str, v))))
+        else:
+            rows.append((key, str(v)))
+    return rows
+
+
+def render_report(rep, console=None) -> None:
+    """The findings as one table (identical findings grouped: count and places), the stats as a
+    table, and the verdict line."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"validation: {rep.adapter}", show_lines=False)
-    for col in ("check", "severity", "where", "message"):
-        t.add_column(col, overflow="fold")
+    con = console or Console()
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
-    for c in rep.checks:
-        t.add_row(c.id, f"[{colors.get(c.severity, 'white')}]{c.severity}[/]", c.where, c.message)
-    con = Console()
-    if rep.checks:
+    groups = group_findings(rep.checks)
+    if groups:
+        t = Table(title=f"validation: {rep.adapter}", show_lines=False)
+        for col in ("check", "severity", "n", "where", "message"):
+            t.add_column(col, overflow="fold")
+        for g in groups:
+            color = colors.get(g.severity, "white")
+            t.add_row(g.id, f"[{color}]{g.severity}[/]", str(g.count), escape(g.where()), escape(g.message))
         con.print(t)
-    con.print(f"verdict: [bold {'green' if rep.passed else 'red'}]{rep.verdict}[/]  stats: {rep.stats}")
+    stats = flatten_stats(rep.stats or {})
+    if stats:
+        st = Table(title="stats", show_header=True)
+        st.add_column("stat")
+        st.add_column("value", overflow="fold")
+        for k, v in stats:
+            st.add_row(escape(k), escape(v))
+        con.print(st)
+    n_err = sum(g.count for g in groups if g.severity == "error")
+    n_warn = sum(g.count for g in groups if g.severity == "warning")
+    con.print(
+        f"verdict: [bold {'green' if rep.passed else 'red'}]{rep.verdict}[/]  "
+        f"({n_err} error(s), {n_warn} warning(s) in {len(groups)} distinct finding(s))"
+    )
 
 
 @app.command()

@@ -17,8 +17,10 @@ from pipeline.train.launch import train
 from pipeline.validate import validate_with_config
 
 
-def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) -> dict:
-    """Run every stage; returns the summary dict. Raises the stage's error on failure."""
+def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print, table: bool = True) -> dict:
+    """Run every stage; returns the summary dict (printed as a table unless `table` is False).
+
+    Raises the stage's error on failure."""
     from rich.console import Console
     from rich.table import Table
 
@@ -37,7 +39,7 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
         overrides=[f"base_model={base_dir}", f"dataset_prepared_path={cfg.state_dir / 'prepared'}"],
         name=name,
         echo=echo,
-        show_progress=True,
+        show_progress=True,  # a bar on a terminal, log lines otherwise
     )
     times["train"] = time.time() - t
 
@@ -53,23 +55,24 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print) ->
     pub = publish(cfg, name, version=reg.version)
     times["publish"] = time.time() - t
 
-    table = Table(title="lora-pipeline demo")
-    table.add_column("field")
-    table.add_column("value", overflow="fold")
     rows = {
         "mlflow run": res.run_id,
         "model version": f"{name} v{reg.version}",
         "aliases": "candidate, production",
         "validation": report.verdict,
-        "eval loss": str(res.manifest["metrics"].get("eval_loss")),
+        "eval loss": res.manifest["metrics"].get("eval_loss"),
         "published path": str(pub.path),
         "tracking uri": cfg.tracking_uri,
     }
-    for k, v in rows.items():
-        table.add_row(k, str(v))
-    for k, v in times.items():
-        table.add_row(f"seconds: {k}", f"{v:.1f}")
-    Console().print(table)
+    if table:
+        t = Table(title="lora-pipeline demo")
+        t.add_column("field")
+        t.add_column("value", overflow="fold")
+        for k, v in rows.items():
+            t.add_row(k, str(v))
+        for k, v in times.items():
+            t.add_row(f"seconds: {k}", f"{v:.1f}")
+        Console(stderr=False).print(t)
     echo(
         f"MLflow UI: `.venv/bin/pipeline ui --name {name}` (serves this store on 127.0.0.1 and prints the "
         f"model page URL); `.venv/bin/pipeline status {name}` for the same facts in the terminal"

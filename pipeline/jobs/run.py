@@ -11,19 +11,22 @@ with the same fingerprint that was published: status `skipped`), and ships only 
 the gates (validation passed; eval loss not worse than production's by more than
 `run.eval_loss_margin`).
 
-Fingerprint: sha256 of {dataset fingerprint, config sha256 after overrides, base revision or
-local base fingerprint}: the inputs that determine the adapter.
+Fingerprint: `pipeline.artifacts.fingerprint` (dataset fingerprint, the config's inputs hash,
+the base identity): the same value `pipeline train` writes into the manifest and every
+registration tags as `run.fingerprint`, so versions from `demo` or `train` + `register` count.
+A gated candidate carries the gate's verdict and reason (`gate.verdict`, `gate.reason`, a
+`Gate:` line in its description): `pipeline status` and the MLflow UI show why it stayed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import registry
+from pipeline.artifacts.fingerprint import training_inputs
 from pipeline.artifacts.manifest import MANIFEST, read_manifest
 from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
@@ -32,10 +35,10 @@ from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
 from pipeline.release.publish import publish
 from pipeline.release.transaction import checkpoint
 from pipeline.train.config import load_training_config
-from pipeline.train.launch import base_fingerprint, check_inputs, train
+from pipeline.train.launch import check_inputs, train
 from pipeline.validate import validate_with_config
 
-FINGERPRINT_TAG = "run.fingerprint"
+FINGERPRINT_TAG = registry.FINGERPRINT_TAG
 
 
 @dataclass
@@ -51,14 +54,6 @@ class RunOutcome:
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in vars(self).items()}, sort_keys=True)
-
-
-def fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str:
-    """Hex sha256 of the inputs that determine the adapter."""
-    payload = json.dumps(
-        {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def _versions(cfg: ProjectConfig, name: str) -> list:
@@ -133,13 +128,16 @@ def _ship(
             why = "canary failed: " + "; ".join(res.problems)[:500]
     if why:
         out.status, out.reason = "gated", why
+        registry.record_gate(cfg, name, version, "gated", why)
         raise GateFailed(f"{name} v{version} stays `candidate`: {why}", outcome=out)
     t = time.time()
     try:
         pub = publish(cfg, name, version=version)
     except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
         out.status, out.reason = "gated", str(e)
+        registry.record_gate(cfg, name, version, "gated", str(e))
         raise GateFailed(f"{name} v{version} stays `candidate`: {e}", outcome=out) from None
+    registry.record_gate(cfg, name, version, "pass", None)
     seconds["publish"] = time.time() - t
     out.status, out.published = "published", str(pub.path)
     return out
@@ -184,16 +182,7 @@ def run(
     try:
         registry.check_store(cfg)  # a store that cannot be used fails now, before training
         ds = check_inputs(cfg, tc, set(allow))
-        base = str(tc.data.get("base_model"))
-        fp = fingerprint(
-            ds.fingerprint,
-            tc.sha256,
-            {
-                "id": base,
-                "revision": tc.data.get("base_model_revision"),
-                "fingerprint": base_fingerprint(base),
-            },
-        )
+        fp = training_inputs(ds.fingerprint, tc.data)["fingerprint"]
         seconds["check"] = time.time() - t0
         out = RunOutcome("failed", name, fp, seconds=seconds)
         same = None if force else _registered_with(cfg, name, fp)
@@ -258,9 +247,11 @@ def run(
             version = int(again.version)
             echo(f"reusing v{version}: already registered with these weights")
         else:
-            version = registry.register_adapter(cfg, adapter_dir, name, report.to_dict()).version
+            version = registry.register_adapter(
+                cfg, adapter_dir, name, report.to_dict()
+            ).version  # tags run.fingerprint
         checkpoint("run-after-register")
-        registry.set_version_tags(cfg, name, version, {FINGERPRINT_TAG: fp})
+        registry.set_version_tags(cfg, name, version, {FINGERPRINT_TAG: fp})  # also on a reused version
         checkpoint("run-after-tag")
         out.version = version
         seconds["register"] = time.time() - t

@@ -8,6 +8,12 @@
   at boot); secrets through `EnvironmentFile=`.
 - Slurm scrontab line with `#SCRON` options.
 
+Schedules are checked before anything is emitted (`parse_cron`): five fields parsed by croniter
+(the maintained cron parser used by Airflow and others), values in range, an expression that
+fires at least once (not `0 3 31 2 *`), and only the syntax every target scheduler shares (no
+Quartz/Jenkins extensions `L W # ? H`). The systemd calendar is generated from the expanded
+fields, so it means what cron means (including cron's day-of-month OR day-of-week rule).
+
 Exit codes of `pipeline run` (README): 0 published or skipped, 1 check failed, 2 usage,
 3 locked, 4 fleet did not converge, 5 gated.
 """
@@ -21,7 +27,76 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
-CRON_FIELD = re.compile(r"^[\d*/,\-A-Za-z?LW#]+$")
+# Macros every target understands less uniformly than five fields: emitted as their 5-field form.
+CRON_MACROS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+# Extensions croniter accepts that Kubernetes, systemd or Slurm do not all share.
+_EXTENSIONS = re.compile(r"[LW#?HR]", re.IGNORECASE)
+_NAMES = re.compile(
+    r"\b(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec|sun|mon|tue|wed|thu|fri|sat)\b", re.I
+)
+FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
+
+
+def parse_cron(expr: str) -> tuple[str, list[list]]:
+    """(normalised 5-field expression, croniter's expanded fields) of a cron schedule.
+
+    Raises ValueError with one line saying what is wrong, e.g. `minute 61 is out of range 0-59`.
+    """
+    from croniter import croniter
+    from croniter.croniter import CroniterBadCronError, CroniterBadDateError
+
+    text = " ".join(str(expr).split())
+    text = CRON_MACROS.get(text.lower(), text)
+    parts = text.split(" ")
+    if len(parts) != 5:
+        raise ValueError(
+            f"schedule {expr!r} has {len(parts)} fields; a cron expression has 5 "
+            "(minute hour day-of-month month day-of-week), e.g. '0 3 * * *'"
+        )
+    if _EXTENSIONS.search(_NAMES.sub("", text)):
+        raise ValueError(
+            f"schedule {expr!r}: L, W, #, ?, H are not standard cron (Kubernetes, systemd and Slurm "
+            "do not all accept them); use numbers, ranges (1-5), lists (1,15) and steps (*/15)"
+        )
+    try:
+        it = croniter(text)
+    except CroniterBadCronError as e:
+        raise ValueError(f"schedule {expr!r}: {_why(text, e)}") from None
+    import datetime as dt
+
+    try:  # never firing (e.g. 31 February) is an error, not a schedule
+        croniter(text, dt.datetime(2001, 1, 1), max_years_between_matches=28).get_next(dt.datetime)
+    except CroniterBadDateError:
+        raise ValueError(
+            f"schedule {expr!r} never fires (no such date); check day-of-month and month"
+        ) from None
+    return text, it.expanded
+
+
+def _why(text: str, e: Exception) -> str:
+    """Which field is wrong, in words (croniter's own message names only the expression)."""
+    from croniter import croniter
+    from croniter.croniter import CroniterBadCronError
+
+    ranges = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7))
+    probe = ["*"] * 5
+    for i, part in enumerate(text.split(" ")):
+        probe[i] = part
+        try:
+            croniter(" ".join(probe))
+        except CroniterBadCronError:
+            lo, hi = ranges[i]
+            return f"{FIELDS[i]} {part!r} is not valid (numbers {lo}-{hi}, ranges, lists, */N steps)"
+        probe[i] = "*"
+    return str(e)
 
 
 class ScheduleSpec(BaseModel):
@@ -50,9 +125,19 @@ class ScheduleSpec(BaseModel):
     @field_validator("schedule")
     @classmethod
     def _cron(cls, v: str) -> str:
-        parts = v.split()
-        if len(parts) != 5 or not all(CRON_FIELD.match(p) for p in parts):
-            raise ValueError(f"schedule {v!r} is not a 5-field cron expression like '0 3 * * *'")
+        return parse_cron(v)[0]
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        import zoneinfo
+
+        try:
+            zoneinfo.ZoneInfo(v)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"timezone {v!r} is not an IANA zone name like 'Etc/UTC' or 'Europe/Berlin'"
+            ) from None
         return v
 
     @field_validator("name")
@@ -150,8 +235,7 @@ def cronjob(spec: ScheduleSpec) -> dict:
 def systemd_units(spec: ScheduleSpec) -> dict[str, str]:
     """{'lora-retrain-NAME.service': ..., 'lora-retrain-NAME.timer': ...}."""
     unit = f"lora-retrain-{spec.name}"
-    m, h, dom, mon, dow = spec.schedule.split()
-    on_calendar = _cron_to_oncalendar(m, h, dom, mon, dow)
+    on_calendar = "\n".join(f"OnCalendar={c}" for c in oncalendar(spec.schedule))
     service = f"""[Unit]
 Description=lora-pipeline scheduled retraining of adapter {spec.name}
 Wants=network-online.target
@@ -173,7 +257,7 @@ Nice=5
 Description=Schedule for {unit}.service
 
 [Timer]
-OnCalendar={on_calendar}
+{on_calendar}
 Persistent=true
 RandomizedDelaySec=5min
 Unit={unit}.service
@@ -184,25 +268,25 @@ WantedBy=timers.target
     return {f"{unit}.service": service, f"{unit}.timer": timer}
 
 
-def _cron_to_oncalendar(m: str, h: str, dom: str, mon: str, dow: str) -> str:
-    """Translate the common cron forms to systemd OnCalendar (DOW MONTH-DAY HH:MM)."""
-    days = {"0": "Sun", "1": "Mon", "2": "Tue", "3": "Wed", "4": "Thu", "5": "Fri", "6": "Sat", "7": "Sun"}
+def oncalendar(expr: str) -> list[str]:
+    """systemd OnCalendar values (`DOW *-MM-DD HH:MM:00`) meaning what cron expression `expr` means.
 
-    def f(x: str) -> str:
-        if x == "*":
-            return "*"
-        if x.startswith("*/"):
-            return f"0/{x[2:]}"
-        return x
+    Built from croniter's expanded fields. Cron fires when day-of-month OR day-of-week matches
+    when both are restricted (systemd ANDs them), so that case gives two calendars.
+    """
+    _, (mi, hh, dom, mon, dow) = parse_cron(expr)
+    days = ("Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 
-    def day(d: str) -> str:  # "1-5" -> "Mon..Fri"; names pass through
-        if "-" in d:
-            a, b = d.split("-", 1)
-            return f"{days.get(a, a)}..{days.get(b, b)}"
-        return days.get(d, d)
+    def j(vals: list, fmt: str = "{:02d}") -> str:
+        return "*" if vals == ["*"] else ",".join(fmt.format(int(v)) for v in vals)
 
-    dow_s = "" if dow == "*" else ",".join(day(d) for d in dow.split(",")) + " "
-    return f"{dow_s}*-{f(mon)}-{f(dom)} {f(h)}:{f(m)}:00"
+    def cal(dom_vals: list, dow_vals: list) -> str:
+        wd = "" if dow_vals == ["*"] else ",".join(dict.fromkeys(days[int(d)] for d in dow_vals)) + " "
+        return f"{wd}*-{j(mon)}-{j(dom_vals)} {j(hh)}:{j(mi)}:00"
+
+    if dom != ["*"] and dow != ["*"]:
+        return [cal(dom, ["*"]), cal(["*"], dow)]
+    return [cal(dom, dow)]
 
 
 def scrontab(spec: ScheduleSpec) -> str:

@@ -1,5 +1,8 @@
 """`pipeline ui`: the MLflow server (UI) on 127.0.0.1 against the project's own store.
 
+The server runs under `pipeline.children.guarded`: it ends with `pipeline ui` however that ends
+(Ctrl-C, SIGTERM, SIGHUP, SIGKILL, an exception), uvicorn workers included.
+
 Fast start-up (docs/mlflow.md): one worker and no job runners
 (`--workers 1`, `MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`) start in ~8-12 s on 2 cores
 instead of 39-48 s. The server reads the same database the CLI writes (sqlite or PostgreSQL)
@@ -18,6 +21,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from pipeline import registry
+from pipeline.children import guarded
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 
@@ -74,7 +78,8 @@ class Server:
     log: Path
 
     def stop(self, timeout_s: float = 20) -> None:
-        """End the server: `mlflow server` runs uvicorn as a child, so signal its whole session."""
+        """End the server: `mlflow server` runs uvicorn as a child, so signal its whole session
+        (the guard of `pipeline.children`, the server and its workers)."""
         import signal
 
         def group(sig) -> None:
@@ -115,8 +120,8 @@ def start(cfg: ProjectConfig, host: str = "127.0.0.1", port: int = 5000, timeout
     log = cfg.state_dir / "mlflow-ui.log"
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            server_command(cfg, host, port),
+        proc = subprocess.Popen(  # under the guard: the server dies with `pipeline`, even on SIGKILL
+            guarded(server_command(cfg, host, port)),
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=env,

@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.artifacts.fingerprint import manifest_fingerprint
 from pipeline.artifacts.manifest import read_manifest, verify_files
 from pipeline.artifacts.names import check_name
 from pipeline.config import ProjectConfig
@@ -23,6 +24,14 @@ ALIAS_PREVIOUS = "previous"
 
 
 MODEL_TYPE = "peft-lora"
+
+# The input fingerprint (pipeline/artifacts/fingerprint.py) every registration carries, so
+# `pipeline run` skips inputs already registered however they were registered.
+FINGERPRINT_TAG = "run.fingerprint"
+
+# A gate's outcome on a version (`pipeline run`: validation, eval loss, canary, publish's gates).
+GATE_VERDICT_TAG = "gate.verdict"  # "pass" | "gated"
+GATE_REASON_TAG = "gate.reason"
 
 
 class RegistryError(UsageError):
@@ -85,6 +94,9 @@ def version_tags(cfg: ProjectConfig, manifest: dict, report: dict, run_id: str |
         "config_sha256": str(manifest.get("config_sha256") or ""),
         "source_run_id": run_id or "",
     }
+    fp = manifest_fingerprint(manifest)
+    if fp:
+        tags[FINGERPRINT_TAG] = fp
     for k in ("eval_loss", "train_loss", "tokens_per_s", "mfu"):
         if isinstance(m.get(k), (int, float)):
             tags[k] = _num(m[k])
@@ -267,6 +279,23 @@ def set_version_tags(cfg: ProjectConfig, name: str, version: int, tags: dict[str
     client = mlflow_for(cfg).MlflowClient()
     for k, v in tags.items():
         client.set_model_version_tag(name, str(version), k, str(v))
+
+
+def record_gate(cfg: ProjectConfig, name: str, version: int, verdict: str, reason: str | None) -> None:
+    """Put a gate's outcome on the version: tags `gate.verdict` / `gate.reason` and a description line.
+
+    `verdict` is "pass" or "gated"; `reason` says why it was gated (None when it passed). The
+    description gets `Gate: <verdict>: <reason>` appended (replacing an earlier gate line), so the
+    MLflow UI's version page shows it without opening the tags.
+    """
+    client = mlflow_for(cfg).MlflowClient()
+    tags = {GATE_VERDICT_TAG: verdict, GATE_REASON_TAG: (reason or "")[:4900]}
+    for k, v in tags.items():
+        client.set_model_version_tag(name, str(version), k, v)
+    mv = client.get_model_version(name, str(version))
+    kept = [ln for ln in (mv.description or "").splitlines() if not ln.startswith("Gate: ")]
+    line = f"Gate: {verdict}" + (f": {reason}" if reason else "")
+    client.update_model_version(name, str(version), description="\n".join([*kept, line])[:4990])
 
 
 def model_exists(cfg: ProjectConfig, name: str) -> bool:

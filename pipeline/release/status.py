@@ -1,9 +1,11 @@
-"""`pipeline status`: versions, aliases, validation, published path and fleet serving, in one view.
+"""`pipeline status`: versions, aliases, validation, gate, published path and fleet serving, in one view.
 
-The registry part reads MLflow only. The fleet part comes from `pipeline.fleet.reconcile.status`
-(HTTP to each configured instance) when `fleet.instances` is configured; otherwise the column
-stays empty. A fleet that
-cannot be read never fails the command: its error is shown (and given in `fleet_error`).
+The registry part is read without importing mlflow (`pipeline.registry.read`: the sqlite file
+read-only, SQL through SQLAlchemy, or the server's REST API), so the command answers in about a
+second; an embedded store that does not exist yet reads as empty and is not created. The fleet
+part comes from `pipeline.fleet.reconcile.status` (HTTP to each configured instance) when
+`fleet.instances` is configured; otherwise the column stays empty. A fleet that cannot be read
+never fails the command: its error is shown (and given in `fleet_error`).
 """
 
 from __future__ import annotations
@@ -11,15 +13,31 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import re
+from types import SimpleNamespace
 
-from pipeline import registry
-from pipeline.canary import show as canary_show
 from pipeline.config import ProjectConfig
-from pipeline.fleet.reconcile import status as fleet_status
+from pipeline.errors import UsageError
+from pipeline.registry.events import events
+from pipeline.registry.read import backend, read_models
 from pipeline.registry.store import redact_uri
+from pipeline.registry.versions import ALIAS_PRODUCTION, GATE_REASON_TAG, GATE_VERDICT_TAG
 from pipeline.release.desired import volume_rows
 
 _VERSION = re.compile(r"^v?(\d+)$")
+CANARY_TAG = "canary."  # pipeline.canary.record.TAG
+# Version tags that hold numbers: `status --json` gives them as numbers.
+NUMERIC_TAGS = ("eval_loss", "train_loss", "tokens_per_s", "mfu")
+
+
+def number(v) -> float | int | None:
+    """A tag value as a number (int when integral text), None when absent or not a number."""
+    if v is None or v == "":
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return int(f) if str(v).lstrip("-").isdigit() else f
 
 
 def _fleet_rows(cfg: ProjectConfig) -> tuple[list[dict] | None, str | None]:
@@ -27,48 +45,75 @@ def _fleet_rows(cfg: ProjectConfig) -> tuple[list[dict] | None, str | None]:
     if not cfg.fleet.instances:
         return None, None
     try:
+        # httpx + the fleet client cost ~1 s; only a project with instances needs them
+        from pipeline.fleet import reconcile  # lazy: httpx + fleet client, only with instances
+
+        fleet_status = reconcile.status
+
         rows = fleet_status(cfg)
     except Exception as e:  # a broken fleet must not hide the registry
         return None, f"{type(e).__name__}: {e}"
     return [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows], None
 
 
+def _canary(tags: dict) -> dict | None:
+    if CANARY_TAG + "verdict" not in tags:
+        return None
+    from pipeline.canary.record import show  # lazy: pipeline.canary pulls the engine client (httpx); rare
+
+    c = show(tags)
+    for k, v in list((c or {}).items()):
+        if k not in ("verdict", "time", "checkpoint", "engine_model", "weights_sha256"):
+            c[k] = number(v)
+    return c
+
+
 def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> dict:
-    """Everything `pipeline status` shows, as JSON-able data.
+    """Everything `pipeline status` shows, as JSON-able data (numbers as numbers).
 
-    Returns {"tracking_uri", "models": [{"name", "aliases": {alias: version}, "versions": [{
-    "version", "aliases", "verdict", "eval_loss", "weights_sha256", "published_path",
+    Returns {"tracking_uri", "reader", "project", "store_exists", "models": [{"name", "aliases":
+    {alias: version}, "versions": [{"version", "aliases", "verdict", "gate": None | {"verdict",
+    "reason"}, "eval_loss", "train_loss", "tokens_per_s", "weights_sha256", "published_path",
     "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}],
-    "canary": None | {"verdict", "token_agreement", "acceptance_length", "speed_ratio", ...}}]}],
-    "fleet": [...] | None, "fleet_error": str | None, "volume": [{"adapter", "desired", "state":
-    drift | corrupt | absent | error, "detail"}]}; versions newest first.
-    Raises UsageError: `name` is not a registered model.
+    "canary": None | {"verdict", "token_agreement", ...}}]}], "fleet": [...] | None,
+    "fleet_error": str | None, "volume": [{"adapter", "desired", "state": drift | corrupt | absent
+    | error, "detail"}]}; versions newest first; losses in nats, tokens_per_s per second.
+    Raises UsageError: `name` is not a registered model (the message lists those that exist).
     """
-
-    names = [name] if name else registry.model_names(cfg)
+    records = read_models(cfg, [name] if name else None)
+    if name and not records:
+        have = [m.name for m in read_models(cfg)] if cfg.store_exists() else []
+        raise UsageError(
+            f"registered model {name!r} not found in {redact_uri(cfg.tracking_uri)} (have: {have})"
+        )
     fleet_rows, fleet_error = _fleet_rows(cfg) if fleet else (None, None)
     models = []
-    for n in names:
-        versions = registry.versions(cfg, n)
-        aliases = registry.aliases(cfg, n)
+    for rec in records:
+        n = rec.name
         by_version: dict[int, list[str]] = {}
-        for a, v in sorted(aliases.items()):
+        for a, v in sorted(rec.aliases.items()):
             by_version.setdefault(v, []).append(a)
         rows = []
-        for mv in versions:
-            t = mv.tags or {}
-            v = int(mv.version)
+        for mv in rec.versions:
+            t = mv.tags
+            v = mv.version
             serving = []
             for r in fleet_rows or []:
                 m = _VERSION.match(str(r.get("serving") or ""))
                 if r.get("adapter") == n and m and int(m[1]) == v:
                     serving.append({"instance": r["instance"], "state": r.get("state")})
+            gate = (
+                {"verdict": t[GATE_VERDICT_TAG], "reason": t.get(GATE_REASON_TAG) or None}
+                if t.get(GATE_VERDICT_TAG)
+                else None
+            )
             rows.append(
                 {
                     "version": v,
                     "aliases": by_version.get(v, []),
                     "verdict": t.get("validation.verdict"),
-                    "eval_loss": t.get("eval_loss"),
+                    "gate": gate,
+                    **{k: number(t.get(k)) for k in NUMERIC_TAGS},
                     "weights_sha256": t.get("weights_sha256"),
                     "published_path": t.get("published.path"),
                     "published_time": t.get("published.time"),
@@ -76,17 +121,20 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
                     "created": dt.datetime.fromtimestamp(mv.creation_timestamp / 1000, dt.UTC).isoformat(
                         timespec="seconds"
                     ),
-                    "events": registry.events(mv),
+                    "events": events(SimpleNamespace(tags=t)),
                     "serving": serving,
-                    "canary": canary_show(t),
+                    "canary": _canary(t),
                 }
             )
-        models.append({"name": n, "aliases": aliases, "versions": rows})
+        models.append({"name": n, "aliases": rec.aliases, "versions": rows})
     # what the volume says against the registry: drift, unfinished transactions, corrupt versions
-    production = {m["name"]: m["aliases"].get(registry.ALIAS_PRODUCTION) for m in models}
+    production = {m["name"]: m["aliases"].get(ALIAS_PRODUCTION) for m in models}
     volume = [dataclasses.asdict(r) for r in volume_rows(cfg, [name] if name else None, production)]
     return {
         "tracking_uri": redact_uri(cfg.tracking_uri),
+        "reader": backend(cfg),
+        "project": str(cfg.source or cfg.root) if cfg.found else None,
+        "store_exists": cfg.store_exists(),
         "models": models,
         "fleet": fleet_rows,
         "fleet_error": fleet_error,
@@ -107,6 +155,18 @@ def _canary_cell(c: dict | None) -> str:
     return " ".join(parts)
 
 
+def _gate_cell(g: dict | None) -> str:
+    """`pass`, or `gated: <reason>` in red."""
+    if not g:
+        return ""
+    if g.get("verdict") == "pass":
+        return "[green]pass[/]"
+    from rich.markup import escape
+
+    reason = escape(g.get("reason") or "")
+    return f"[red]{g.get('verdict')}[/]" + (f": {reason}" if reason else "")
+
+
 def render(data: dict, console=None) -> None:
     """One rich table: a row per model version."""
     from rich.console import Console
@@ -119,6 +179,7 @@ def render(data: dict, console=None) -> None:
         "version",
         "aliases",
         "validation",
+        "gate",
         "eval loss",
         "canary",
         "published path",
@@ -139,14 +200,16 @@ def render(data: dict, console=None) -> None:
                 str(r["version"]),
                 ", ".join(r["aliases"]),
                 f"[{colors.get(verdict, 'yellow')}]{verdict}[/]",
-                r["eval_loss"] or "",
+                _gate_cell(r.get("gate")),
+                "" if r["eval_loss"] is None else f"{r['eval_loss']:.4g}",
                 _canary_cell(r.get("canary")),
                 r["published_path"] or "",
                 serving,
                 r["created"],
             )
     if not data["models"]:
-        con.print(f"no registered models in {data['tracking_uri']}")
+        what = "" if data.get("store_exists", True) else " (no store yet: nothing was registered)"
+        con.print(f"no registered models in {data['tracking_uri']}{what}", highlight=False, markup=False)
         return
     con.print(t)
     for r in data.get("fleet") or []:

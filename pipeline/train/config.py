@@ -9,7 +9,7 @@ Gated DeltaNet...), before anything is written; plus the inputs the pipeline mus
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -48,6 +48,9 @@ class TrainingConfig:
 
     path: Path
     data: dict
+    # where a top-level or dotted key was last set from, when not the config file itself:
+    # an overlay's path or `--set key=value` (error messages name it)
+    origins: dict[str, str] = field(default_factory=dict)
 
     @property
     def sha256(self) -> str:
@@ -112,16 +115,22 @@ def load_training_config(path: Path, overrides: list[str] = (), overlays: list[P
     """
     path = Path(path)
     data = _read_yaml(path)
+    origins: dict[str, str] = {}
     for ov in overlays:
-        data = _merge(data, _read_yaml(ov))
+        layer = _read_yaml(ov)
+        data = _merge(data, layer)
+        origins.update(dict.fromkeys(layer, str(ov)))
     for item in overrides:
         key, value = parse_override(item)
         node = data
         *parents, leaf = key.split(".")
         for p in parents:
+            if not isinstance(node.get(p, {}), dict):
+                raise UsageError(f"--set {item!r}: {p!r} is not a mapping in {path}")
             node = node.setdefault(p, {})
         node[leaf] = value
-    return TrainingConfig(path=path, data=data)
+        origins[key] = f"--set {item}"
+    return TrainingConfig(path=path, data=data, origins=origins)
 
 
 def _rules(fleet) -> FleetRules:

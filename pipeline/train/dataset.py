@@ -1,6 +1,12 @@
-"""Dataset checks before any training: chat-format JSONL with `messages` lists.
+"""Dataset checks before any training: chat-format JSONL, read the way axolotl will read it.
 
-Every finding names `file:line`. A dataset with errors stops the run before the trainer
+Each row's conversation is read through axolotl's own `chat_template` prompt strategy
+(`axolotl.prompt_strategies.chat_template`: `field_messages`, `message_property_mappings`,
+`roles`, `drop_system_message`, the legacy `message_field_role/content` normalised by axolotl's
+dataset model, and the chat template's message variables), so a ShareGPT-style file
+(`conversations` with `from`/`value`) mapped in the config is checked as the turns axolotl
+builds from it, not as raw JSON. Each file is read with the options of its own `datasets` /
+`test_datasets` entry. Every finding names `file:line`. A dataset with errors stops the run before the trainer
 starts and nothing is written (the check only reads).
 
 Fingerprint: sha256 over each file's bytes (hex), and a combined sha256 over the sorted
@@ -9,9 +15,10 @@ Fingerprint: sha256 over each file's bytes (hex), and a combined sha256 over the
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +113,13 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
             continue
         role = m.get("role")
         if role not in ROLES:
-            out.append(_error(w, f"role {role!r} is not one of {sorted(ROLES)}"))
+            hint = (
+                " (no role after axolotl's field mapping: set message_property_mappings, e.g. "
+                "{role: from, content: value}, and roles in this datasets entry)"
+                if role is None
+                else " (map it with `roles` in the datasets entry, e.g. {user: [human], assistant: [gpt]})"
+            )
+            out.append(_error(w, f"role {role!r} is not one of {sorted(ROLES)}{hint}"))
             continue
         content = m.get("content")
         tool_calls = m.get("tool_calls")
@@ -114,6 +127,15 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
             out.append(_error(w, f"content must be a string, got {type(content).__name__}"))
         if role == "system" and i != 0:
             out.append(_error(w, "a system message may only come first"))
+        if isinstance(tool_calls, list):  # axolotl parses string arguments itself: check them as JSON again
+            tool_calls = [
+                {**tc, "function": {**tc["function"], "arguments": json.dumps(tc["function"]["arguments"])}}
+                if isinstance(tc, dict)
+                and isinstance(tc.get("function"), dict)
+                and isinstance(tc["function"].get("arguments"), dict)
+                else tc
+                for tc in tool_calls
+            ]
         if tool_calls is not None:
             if role != "assistant":
                 out.append(_error(w, "only assistant messages may carry tool_calls"))
@@ -128,7 +150,7 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
             )
             if not prev or prev.get("role") != "assistant" or not prev.get("tool_calls"):
                 out.append(_error(w, "a tool result must follow an assistant message with tool_calls"))
-        if role in roles_to_train and (content or tool_calls):
+        if (role in roles_to_train or m.get("training") is True) and (content or tool_calls):
             trainable += 1
         if role in ("user", "system") and not content:
             out.append(_error(w, f"{role} message has empty content"))
@@ -143,6 +165,53 @@ def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> l
     return out
 
 
+# Used when no tokenizer (so no chat template) is at hand: the message variables templates use.
+_FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ message.role }}{{ message.content }}{{ message.tool_calls }}"
+    "{{ message.tool_call_id }}{{ message.name }}{{ message.reasoning_content }}{% endfor %}"
+)
+
+
+def message_reader(ds_cfg: dict | None = None, config: dict | None = None, tokenizer=None) -> Callable:
+    """`row -> turns` as axolotl's chat_template strategy builds them for this dataset entry.
+
+    `ds_cfg`: the `datasets` entry (field mappings, roles...); `config`: the whole axolotl config
+    (for `chat_template`); `tokenizer`: gives the chat template (its message variables decide
+    which extra keys, e.g. `tool_calls`, axolotl keeps). Raises what axolotl raises on a bad row
+    (ValueError, TypeError, AttributeError, json.JSONDecodeError).
+    """
+    from axolotl.prompt_strategies.chat_template import ChatTemplatePrompter, ChatTemplateStrategy
+    from axolotl.utils.chat_templates import get_chat_template_from_config
+    from axolotl.utils.dict import DictDefault
+    from axolotl.utils.schemas.datasets import SFTDataset
+
+    raw = {k: v for k, v in (ds_cfg or {}).items() if v is not None}
+    ds = SFTDataset(**{"path": "-", "type": "chat_template", **raw}).model_dump()  # legacy fields -> mappings
+    template = _FALLBACK_TEMPLATE
+    if tokenizer is not None:
+        try:
+            template = get_chat_template_from_config(DictDefault(config or {}), ds, tokenizer) or template
+        except Exception:  # no template for this choice: axolotl itself reports it when it starts
+            pass
+    prompter = ChatTemplatePrompter(
+        tokenizer=tokenizer,
+        chat_template=template,
+        message_property_mappings=ds.get("message_property_mappings") or {},
+        message_field_training=ds.get("message_field_training"),
+        message_field_training_detail=ds.get("message_field_training_detail"),
+        field_messages=ds.get("field_messages") or "messages",
+        field_thinking=ds.get("field_thinking") or "reasoning_content",
+        template_thinking_key=ds.get("template_thinking_key") or "reasoning_content",
+        roles=ds.get("roles"),
+        drop_system_message=bool(ds.get("drop_system_message")),
+    )
+    # The strategy's message reading needs only its prompter (no tokenisation happens here).
+    strategy = ChatTemplateStrategy.__new__(ChatTemplateStrategy)
+    strategy.prompter = prompter
+    strategy.split_thinking = bool(ds.get("split_thinking"))
+    return lambda row: strategy.get_conversation_thread(copy.deepcopy(row))
+
+
 def _canonical(messages) -> str:
     return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
@@ -155,19 +224,25 @@ def check_datasets(
     roles_to_train: Iterable[str] = ("assistant",),
     tokenizer=None,
     sequence_len: int | None = None,
+    formats: dict[str, dict] | None = None,
+    config: dict | None = None,
 ) -> DatasetReport:
     """Check chat JSONL files; never raises for bad content (findings carry file:line).
 
     Args:
         train, validation: JSONL files, one conversation per line.
+        formats: {file path as given: its axolotl dataset entry} (field mappings, roles,
+            roles_to_train...); a file without one is read with `field_messages` and the defaults.
+        config: the axolotl config (its `chat_template` choice).
         tokenizer: a transformers tokenizer with a chat template; when given with
             `sequence_len` (tokens), counts conversations longer than it (axolotl drops them).
 
     Raises:
         FileNotFoundError: a listed file does not exist.
     """
-    roles_to_train = tuple(roles_to_train)
+    default_roles = tuple(roles_to_train)
     report = DatasetReport(sequence_len=sequence_len)
+    readers: dict[str, Callable] = {}
     seen: dict[str, str] = {}
     train_keys: set[str] = set()
     for role, files in (("train", train), ("validation", validation)):
@@ -176,6 +251,13 @@ def check_datasets(
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: dataset file not found")
             stats = FileStats(path=str(path), role=role, sha256=sha256_file(path))
+            ds_cfg = (formats or {}).get(str(path)) or {"field_messages": field_messages}
+            key = json.dumps(ds_cfg, sort_keys=True, default=str)
+            if key not in readers:
+                readers[key] = message_reader(ds_cfg, config, tokenizer)
+            read = readers[key]
+            roles_to_train = tuple(ds_cfg.get("roles_to_train") or default_roles)
+            fm = ds_cfg.get("field_messages") or "messages"
             lengths: list[int] = []
             with open(path, encoding="utf-8", errors="strict") as f:
                 try:
@@ -197,12 +279,33 @@ def check_datasets(
                         _error(where, f"invalid JSON: {e.msg} (column {e.colno})", id="dataset.json")
                     )
                     continue
-                if not isinstance(row, dict) or field_messages not in row:
+                if not isinstance(row, dict) or row.get(fm) is None:
+                    report.findings.append(_error(where, f"expected an object with a {fm!r} list"))
+                    continue
+                try:
+                    messages = read(row)
+                except json.JSONDecodeError as e:
                     report.findings.append(
-                        _error(where, f"expected an object with a {field_messages!r} list")
+                        _error(
+                            where, f"tool call arguments is not valid JSON ({e.msg})", id="dataset.tool_call"
+                        )
                     )
                     continue
-                messages = row[field_messages]
+                except KeyError as e:  # axolotl's own reading fails the same way (e.g. KeyError 'role')
+                    report.findings.append(
+                        _error(
+                            where,
+                            f"axolotl finds no {e} in the messages of {fm!r}: map your fields with "
+                            "message_property_mappings (e.g. {role: from, content: value}) and roles "
+                            "in this datasets entry",
+                        )
+                    )
+                    continue
+                except (ValueError, TypeError, AttributeError, AssertionError, IndexError) as e:
+                    report.findings.append(
+                        _error(where, f"axolotl cannot read this conversation from {fm!r}: {e}".strip())
+                    )
+                    continue
                 found = check_conversation(messages, where, roles_to_train)
                 report.findings.extend(found)
                 if any(f.severity == "error" for f in found):

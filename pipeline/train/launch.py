@@ -3,8 +3,9 @@
 axolotl runs in a child process through its own CLI and launchers (`--launcher python` for
 one device, `accelerate`/`torchrun` for several, arguments after `--` passed through): never a
 home-made launcher. The child writes per-step metrics to `metrics.jsonl` through
-`pipeline.train.axolotl_plugin`; this process tails it for progress (step/total, loss, ETA) and for
-throughput, and axolotl's own MLflow integration logs per-step metrics into the run created
+`pipeline.train.axolotl_plugin`; this process tails it for progress (step/total, loss, tokens/s,
+ETA: a bar on a terminal, a log line every $PIPELINE_PROGRESS_INTERVAL seconds (30) and at each
+evaluation otherwise, e.g. under cron or `> log 2>&1`) and for throughput, and axolotl's own MLflow integration logs per-step metrics into the run created
 here (`MLFLOW_RUN_ID`).
 
 Run directory layout (`<train.runs_dir>/<name>-<UTC timestamp>/`):
@@ -19,8 +20,8 @@ Run directory layout (`<train.runs_dir>/<name>-<UTC timestamp>/`):
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -31,15 +32,19 @@ from pathlib import Path
 
 from pipeline import registry
 from pipeline.artifacts.atomic import write_json_atomic
+from pipeline.artifacts.fingerprint import base_fingerprint, training_inputs
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
 from pipeline.artifacts.names import check_name, default_name
-from pipeline.artifacts.safetensors import header_bytes
+from pipeline.children import guarded
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
+from pipeline.train.schema import check_axolotl_schema
 from pipeline.validate.report import FleetRules
+
+log = logging.getLogger("pipeline.train")
 
 PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
 # Files copied from axolotl's output_dir into the adapter directory.
@@ -125,6 +130,8 @@ class TrainResult:
 def train_env(extra: dict | None = None) -> dict:
     """Environment for the axolotl child: offline, no telemetry."""
     env = dict(os.environ)
+    for k in env.pop("PIPELINE_QUIETED_ENV", "").split(","):  # the CLI's quiet settings are for the CLI only
+        env.pop(k, None)
     env.update(
         {
             "AXOLOTL_DO_NOT_TRACK": "1",
@@ -142,20 +149,6 @@ def train_env(extra: dict | None = None) -> dict:
     return env
 
 
-def base_fingerprint(base: str) -> str | None:
-    """sha256 over a local base's config.json and safetensors headers (weights not read)."""
-    p = Path(base)
-    if not p.is_dir():
-        return None
-    h = hashlib.sha256()
-    for f in sorted(p.iterdir()):
-        if f.name == "config.json" or f.name.endswith(".json") and "index" in f.name:
-            h.update(f.read_bytes())
-        elif f.suffix == ".safetensors":
-            h.update(header_bytes(f))
-    return h.hexdigest()
-
-
 def _load_tokenizer(base: str):
     try:
         from transformers import AutoTokenizer
@@ -163,25 +156,6 @@ def _load_tokenizer(base: str):
         return AutoTokenizer.from_pretrained(base)
     except Exception:  # hub id not cached offline: the length check is skipped
         return None
-
-
-def check_axolotl_schema(tc: TrainingConfig) -> None:
-    """axolotl's own config validation, in this process, before any run directory or MLflow run
-    exists (otherwise a typo like `micro_batch_size: abc` fails inside the trainer).
-
-    Raises CheckFailed with one line per field axolotl rejects.
-    """
-    from axolotl.utils.config import validate_config
-    from axolotl.utils.dict import DictDefault
-    from pydantic import ValidationError
-
-    try:
-        validate_config(DictDefault(json.loads(json.dumps(tc.data))))
-    except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise CheckFailed(f"{tc.path}: axolotl refuses the config:\n  " + "\n  ".join(lines)) from None
-    except ValueError as e:
-        raise CheckFailed(f"{tc.path}: axolotl refuses the config: {e}") from None
 
 
 def check_inputs(
@@ -201,14 +175,20 @@ def check_inputs(
         problems.append(f"{msg} (override with --allow logits_memory)")
     if problems:
         raise CheckFailed("training config refused:\n  " + "\n  ".join(problems))
-    ds = (tc.data.get("datasets") or [{}])[0]
+    # each file with its own datasets entry (field mappings, roles, roles_to_train), as axolotl reads it
+    formats = {
+        str(Path(d["path"])): d
+        for key in ("datasets", "test_datasets")
+        for d in tc.data.get(key) or []
+        if isinstance(d, dict) and d.get("path")
+    }
     report = check_datasets(
         tc.dataset_paths("datasets"),
         tc.dataset_paths("test_datasets"),
-        field_messages=ds.get("field_messages", "messages"),
-        roles_to_train=ds.get("roles_to_train") or ["assistant"],
         tokenizer=_load_tokenizer(str(tc.data.get("base_model"))),
         sequence_len=tc.data.get("sequence_len"),
+        formats=formats,
+        config=tc.data,
     )
     if not report.ok:
         shown = "\n  ".join(str(f) for f in report.errors[:30])
@@ -226,6 +206,10 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
                 ds["path"] = str(Path(ds["path"]).resolve())
     if Path(str(d.get("base_model", ""))).exists():
         d["base_model"] = str(Path(d["base_model"]).resolve())
+    # `base_model_revision` is the pipeline's key (axolotl ignores it); axolotl's loaders read revision_of_model
+    rev = d.get("base_model_revision")
+    if rev and not (d.get("revision_of_model") or d.get("model_revision")):
+        d["revision_of_model"] = rev
     if d.get("dataset_prepared_path"):
         d["dataset_prepared_path"] = str(Path(d["dataset_prepared_path"]).resolve())
     d["output_dir"] = str(run_dir / "output")
@@ -346,30 +330,110 @@ def summarise(records: list[dict], peak_tflops: float | None = None) -> dict:
     return out
 
 
-def _die_with_parent() -> None:
-    """In the axolotl child (Linux): get SIGKILL when `pipeline` dies, so a killed job leaves no
-    orphaned trainer writing into the run directory (prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+@dataclass
+class Progress:
+    """Training progress read from metrics.jsonl: step/total, losses, tokens/s, elapsed and ETA (seconds)."""
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    step: int = 0
+    total: int | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens_per_s: float | None = None
+    elapsed_s: float = 0.0
+    eta_s: float | None = None
+
+    def line(self) -> str:
+        """`train: step 6/12 (50%)  loss 2.3456  eval 2.4012  1234 tokens/s  elapsed 0:01:02  ETA 0:01:02`."""
+        if self.step == 0:
+            return f"train: loading model and data  elapsed {_hms(self.elapsed_s)}"
+        total = f"/{self.total} ({100 * self.step / self.total:.0f}%)" if self.total else ""
+        parts = [f"train: step {self.step}{total}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.eval_loss is not None:
+            parts.append(f"eval {self.eval_loss:.4f}")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:.0f} tokens/s")
+        parts.append(f"elapsed {_hms(self.elapsed_s)}")
+        if self.eta_s is not None:
+            parts.append(f"ETA {_hms(self.eta_s)}")
+        return "  ".join(parts)
 
 
-def _progress_loop(proc: subprocess.Popen, metrics: Path, show: bool) -> None:
-    if not show:
+def _hms(s: float) -> str:
+    s = int(max(s, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def progress_of(records: list[dict], started: float, now: float | None = None) -> Progress:
+    """Progress from metrics.jsonl records of the latest session (`begin`); `started`: wall time (s) it began.
+
+    tokens/s: axolotl's cumulative `tokens/total` over wall time between the session's first and
+    last training log; ETA: time per step so far in this session x steps left.
+    """
+    now = time.time() if now is None else now
+    begins = [i for i, r in enumerate(records) if r.get("event") == "begin"]
+    recs = records[begins[-1] :] if begins else records
+    logs = [r for r in recs if r.get("event") == "log"]
+    p = Progress(elapsed_s=now - started)
+    begin = recs[0] if begins else {}
+    p.total = begin.get("max_steps") or next(
+        (r.get("max_steps") for r in reversed(logs) if r.get("max_steps")), None
+    )
+    if not logs:
+        return p
+    last = logs[-1]
+    p.step = int(last.get("step") or 0)
+    p.total = last.get("max_steps") or p.total
+    p.loss = next((r["loss"] for r in reversed(logs) if "loss" in r), None)
+    p.eval_loss = next((r["eval_loss"] for r in reversed(logs) if "eval_loss" in r), None)
+    tok = [r for r in logs if "tokens/total" in r and "time" in r]
+    if len(tok) >= 2 and tok[-1]["time"] > tok[0]["time"]:
+        p.tokens_per_s = (tok[-1]["tokens/total"] - tok[0]["tokens/total"]) / (
+            tok[-1]["time"] - tok[0]["time"]
+        )
+    train = [r for r in logs if "loss" in r and "time" in r and r.get("step")]  # evaluations take extra time
+    if len(train) >= 2 and p.total and int(train[-1]["step"]) > int(train[0]["step"]):
+        per_step = (train[-1]["time"] - train[0]["time"]) / (int(train[-1]["step"]) - int(train[0]["step"]))
+        p.eta_s = per_step * max(p.total - p.step, 0)
+    return p
+
+
+# Seconds between progress lines when stderr is not a terminal (`pipeline train > log 2>&1`, cron, CI).
+PROGRESS_INTERVAL_ENV = "PIPELINE_PROGRESS_INTERVAL"
+
+
+def _progress_loop(proc: subprocess.Popen, metrics: Path, mode: str, interval_s: float | None = None) -> None:
+    """Wait for the trainer, showing progress: `bar` (rich, a terminal), `lines` (a log line every
+    `interval_s` seconds, default $PIPELINE_PROGRESS_INTERVAL or 30, plus one per evaluation and
+    at the end), or `off`."""
+    started = time.time()
+    if mode == "lines":
+        interval_s = interval_s or float(os.environ.get(PROGRESS_INTERVAL_ENV) or 30)
+        last_line = 0.0
+        last_eval = None
+        while proc.poll() is None:
+            p = progress_of(read_metrics(metrics), started)
+            now = time.time()
+            if now - last_line >= interval_s or (p.eval_loss is not None and p.eval_loss != last_eval):
+                log.info(p.line())
+                last_line, last_eval = now, p.eval_loss
+            time.sleep(min(0.5, interval_s))
+        log.info(progress_of(read_metrics(metrics), started).line() + f"  (trainer exited {proc.returncode})")
+        return
+    if mode != "bar":
         proc.wait()
         return
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.progress import Progress as Bar
 
-    with Progress(
+    with Bar(
         TextColumn("[bold]train"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -380,16 +444,22 @@ def _progress_loop(proc: subprocess.Popen, metrics: Path, show: bool) -> None:
     ) as prog:
         task = prog.add_task("train", total=None, info="loading model and data")
         while proc.poll() is None:
-            recs = read_metrics(metrics)
-            logs = [r for r in recs if r.get("event") == "log"]
-            if logs:
-                last = logs[-1]
-                loss = next((r["loss"] for r in reversed(logs) if "loss" in r), None)
-                ev = next((r["eval_loss"] for r in reversed(logs) if "eval_loss" in r), None)
-                info = f"loss {loss:.4f}" if loss is not None else ""
-                info += f"  eval {ev:.4f}" if ev is not None else ""
-                prog.update(task, total=last.get("max_steps"), completed=last.get("step", 0), info=info)
+            p = progress_of(read_metrics(metrics), started)
+            if p.step:
+                info = f"loss {p.loss:.4f}" if p.loss is not None else ""
+                info += f"  eval {p.eval_loss:.4f}" if p.eval_loss is not None else ""
+                info += f"  {p.tokens_per_s:.0f} tok/s" if p.tokens_per_s is not None else ""
+                prog.update(task, total=p.total, completed=p.step, info=info)
             time.sleep(0.5)
+
+
+def progress_mode(show_progress: bool | str) -> str:
+    """`bar` on a terminal, `lines` otherwise; `off` when disabled. Accepts a mode string as is."""
+    if isinstance(show_progress, str):
+        return show_progress
+    if not show_progress:
+        return "off"
+    return "bar" if sys.stderr.isatty() else "lines"
 
 
 def train(
@@ -403,8 +473,8 @@ def train(
     gpus: int = 1,
     launcher: str | None = None,
     launcher_args: list[str] = (),
-    show_progress: bool = True,
-    echo=print,
+    show_progress: bool | str = True,
+    echo=None,
     run_dir: Path | None = None,
 ) -> TrainResult:
     """Check, train with axolotl, and write `adapter/` + `manifest.json` in a new run directory.
@@ -414,6 +484,7 @@ def train(
         TrainError: axolotl exited non-zero or produced no adapter (the run directory keeps
             train.log; no adapter/manifest is written, so nothing downstream can pick it up).
     """
+    echo = echo or log.info
     t0 = time.time()
     name = check_name(
         name or default_name(Path(config_path).stem),
@@ -474,12 +545,18 @@ def train(
             "MLFLOW_TRACKING_URI": cfg.tracking_uri,
         }
     )
-    with open(run_dir / "train.log", "w") as log:
+    with open(run_dir / "train.log", "w") as train_log:
+        # Under the guard with no grace: the trainer and any launcher workers (accelerate, torchrun)
+        # are SIGKILLed when `pipeline` dies, so none keeps writing into the run directory.
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            guarded(cmd, grace_s=0),
+            stdout=train_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         try:
-            _progress_loop(proc, metrics_file, show_progress)
+            _progress_loop(proc, metrics_file, progress_mode(show_progress))
         except BaseException:
             proc.terminate()
             proc.wait(30)
@@ -526,6 +603,8 @@ def train(
             ],
         },
         "config_sha256": tc.sha256,
+        # the input fingerprint every registration tags (`run.fingerprint`): pipeline/artifacts/fingerprint.py
+        "inputs": training_inputs(ds_report.fingerprint, tc.data),
         "resolved_config": str(resolved_yml),
         "adapter": {
             k: adapter_cfg.get(k)

@@ -80,6 +80,15 @@ def _flow(cfg, adapters, base, name: str, tmp_path) -> None:
     mv = client.get_model_version(name, "3")
     assert mv.tags["published.path"] == str(cfg.volume.path / f"{name}-v3")
     assert [e["type"] for e in registry.events(mv)] == ["publish"]
+    # `pipeline status` reads the same rows without the MLflow client (sqlite3 / SQLAlchemy)
+    from pipeline.registry.read import backend, read_mlflow, read_models
+
+    assert backend(cfg) == ("sql" if cfg.tracking_uri.startswith("postgresql") else "sqlite")
+    fast, slow = read_models(cfg, [name]), read_mlflow(cfg, [name])
+    assert [(m.name, m.aliases) for m in fast] == [(m.name, m.aliases) for m in slow]
+    assert [(v.version, v.run_id, v.tags) for v in fast[0].versions] == [
+        (v.version, v.run_id, v.tags) for v in slow[0].versions
+    ]
 
 
 @pytest.mark.slow

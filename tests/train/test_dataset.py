@@ -103,3 +103,94 @@ def test_length_check_counts_too_long(tmp_path, tiny_base):
     rep = check_datasets([f], tokenizer=tok, sequence_len=64)
     assert rep.files[0].too_long == 1 and rep.ok
     assert any("exceed sequence_len 64" in w.message for w in rep.findings)
+
+
+# -- read as axolotl reads (issue 17 item 5) -------------------------------------------------------------------
+def _sharegpt(src, dst, role_key="from", content_key="value", names=None):
+    """The sample dataset rewritten ShareGPT-style: `conversations` with `from`/`value` and human/gpt roles."""
+    names = names or {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+    rows = []
+    for line in src.read_text().splitlines():
+        row = json.loads(line)
+        conv = []
+        for m in row["messages"]:
+            t = {k: v for k, v in m.items() if k not in ("role", "content")}
+            t[role_key] = names[m["role"]]
+            t[content_key] = m.get("content")
+            conv.append(t)
+        rows.append({"conversations": conv})
+    return write(dst, rows)
+
+
+SHAREGPT = {
+    "type": "chat_template",
+    "field_messages": "conversations",
+    "message_property_mappings": {"role": "from", "content": "value"},
+    "roles": {"user": ["human"], "assistant": ["gpt"], "system": ["system"], "tool": ["tool"]},
+}
+
+
+def test_sharegpt_with_mappings_passes(tmp_path):
+    """The issue's instance: ShareGPT with message_property_mappings/roles got one 'role None' error per row."""
+    t = _sharegpt(REPO / "datasets/agent_chat_train.jsonl", tmp_path / "t.jsonl")
+    v = _sharegpt(REPO / "datasets/agent_chat_validation.jsonl", tmp_path / "v.jsonl")
+    fmt = {str(t): SHAREGPT, str(v): SHAREGPT}
+    rep = check_datasets([t], [v], formats=fmt)
+    assert rep.ok, [str(f) for f in rep.errors[:3]]
+    assert rep.files[0].conversations == 120
+    # without the mapping, the error says how to fix it
+    bad = check_datasets([t], formats={str(t): {"field_messages": "conversations"}})
+    assert not bad.ok and "message_property_mappings" in bad.errors[0].message
+
+
+def test_legacy_message_field_names_are_honoured(tmp_path):
+    """Sibling: axolotl's deprecated message_field_role / message_field_content still map fields."""
+    t = _sharegpt(REPO / "datasets/agent_chat_validation.jsonl", tmp_path / "t.jsonl", "speaker", "text")
+    fmt = {
+        str(t): {
+            "field_messages": "conversations",
+            "message_field_role": "speaker",
+            "message_field_content": "text",
+        }
+    }
+    rep = check_datasets([t], formats=fmt)
+    assert rep.ok, [str(f) for f in rep.errors[:3]]
+
+
+def test_each_file_is_read_with_its_own_entry(tmp_path):
+    """Sibling: train in ShareGPT, validation in OpenAI messages (the first entry's options used to apply to all)."""
+    t = _sharegpt(REPO / "datasets/agent_chat_train.jsonl", tmp_path / "t.jsonl")
+    v = tmp_path / "v.jsonl"
+    v.write_text((REPO / "datasets/agent_chat_validation.jsonl").read_text())
+    rep = check_datasets([t], [v], formats={str(t): SHAREGPT, str(v): {"type": "chat_template"}})
+    assert rep.ok, [str(f) for f in rep.errors[:3]]
+
+
+def test_default_role_aliases_match_axolotl(tmp_path):
+    """Sibling: axolotl's default roles map human->user, gpt->assistant even without `roles`."""
+    f = write(
+        tmp_path / "d.jsonl",
+        [{"messages": [{"role": "human", "content": "q"}, {"role": "gpt", "content": "a"}]}],
+    )
+    assert check_datasets([f]).ok
+
+
+def test_train_preflight_reads_the_config_mapping(tmp_path):
+    """`pipeline train`'s check (check_inputs) passes a ShareGPT config instead of refusing it."""
+    from pipeline.config import load_config
+    from pipeline.train.config import load_training_config
+    from pipeline.train.launch import check_inputs
+
+    t = _sharegpt(REPO / "datasets/agent_chat_train.jsonl", tmp_path / "t.jsonl")
+    v = _sharegpt(REPO / "datasets/agent_chat_validation.jsonl", tmp_path / "v.jsonl")
+    entry = "type: chat_template, field_messages: conversations, message_property_mappings: {role: from, content: value}, roles: {user: [human], assistant: [gpt], tool: [tool]}"
+    tc = load_training_config(
+        REPO / "axolotl_configs/tiny-cpu.yml",
+        [
+            f"base_model={tmp_path}",
+            f"datasets=[{{path: {t}, {entry}}}]",
+            f"test_datasets=[{{path: {v}, split: train, {entry}}}]",
+        ],
+    )
+    rep = check_inputs(load_config(None), tc, set())
+    assert rep.ok and rep.files[0].conversations == 120

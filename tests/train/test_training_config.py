@@ -136,3 +136,15 @@ def test_packing_refusal_is_the_preflight_rule_under_one_id(tmp_path, tiny_base)
     assert "train.sample_packing" not in {
         f.id for f in training_findings(gdn, FleetRules(), {"train.sample_packing"}, packing=facts)
     }
+
+
+def test_axolotl_schema_refusal_before_anything_is_written(tmp_path):
+    """axolotl's own validation runs in-process before a run directory or MLflow run exists."""
+    from pipeline.errors import CheckFailed
+    from pipeline.train.schema import check_axolotl_schema
+
+    check_axolotl_schema(
+        load_training_config(TINY, [f"base_model={tmp_path}"])
+    )  # the shipped config is valid
+    with pytest.raises(CheckFailed, match="micro_batch_size: Input should be a valid integer"):
+        check_axolotl_schema(load_training_config(TINY, [f"base_model={tmp_path}", "micro_batch_size=abc"]))

@@ -1,0 +1,149 @@
+"""The input fingerprint of an adapter: one hex sha256 over what determines its weights.
+
+Computed here and only here, from three parts:
+
+- the dataset fingerprint (`pipeline.train.dataset`: sha256 over each file's bytes and role);
+- the *inputs* hash of the axolotl config: the resolved config minus the keys that only say
+  where things are or where progress is reported (`LOCATION_KEYS`, each dataset's `path`: its
+  bytes are in the dataset fingerprint; `base_model`: in the base identity). So `make demo`
+  (which passes an absolute `base_model` and `dataset_prepared_path`) and `pipeline run` on the
+  same YAML from the project root agree;
+- the base identity: a local base directory by the sha256 of its config and safetensors
+  headers (its path does not matter), a hub base by id and pinned revision.
+
+`pipeline train` writes all three and the result into the manifest (`inputs`); every
+registration (`pipeline register`, `pipeline run`, `pipeline demo`) copies the result to the
+version tag `run.fingerprint`; `pipeline run` skips training when a version carries it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pipeline.artifacts.safetensors import header_bytes
+
+# Keys of an axolotl config that do not change the trained weights: locations, bookkeeping,
+# experiment tracking. Everything else (hyperparameters, dataset options, seeds) counts.
+LOCATION_KEYS = frozenset(
+    {
+        "base_model",
+        "base_model_revision",
+        "revision_of_model",
+        "model_revision",
+        "base_model_config",
+        "tokenizer_config",
+        "output_dir",
+        "dataset_prepared_path",
+        "resume_from_checkpoint",
+        "plugins",
+        "use_mlflow",
+        "mlflow_tracking_uri",
+        "mlflow_experiment_name",
+        "mlflow_run_name",
+        "hf_mlflow_log_artifacts",
+        "use_wandb",
+        "wandb_project",
+        "wandb_entity",
+        "wandb_name",
+        "wandb_mode",
+        "wandb_run_id",
+        "wandb_watch",
+        "wandb_log_model",
+        "logging_steps",
+        "save_total_limit",
+        "hub_model_id",
+    }
+)
+# Tracking prefixes: any key starting with one of these is bookkeeping too.
+LOCATION_PREFIXES = ("mlflow_", "wandb_", "comet_", "swanlab_")
+DATASET_LISTS = ("datasets", "test_datasets", "pretraining_dataset")
+
+
+def _is_location(key: str) -> bool:
+    return key in LOCATION_KEYS or key.startswith(LOCATION_PREFIXES)
+
+
+def config_inputs(data: dict) -> dict:
+    """The config with location/bookkeeping keys removed (dataset entries without `path`)."""
+    out = {}
+    for k, v in data.items():
+        if _is_location(k):
+            continue
+        if k in DATASET_LISTS and isinstance(v, list):
+            v = [{dk: dv for dk, dv in d.items() if dk != "path"} if isinstance(d, dict) else d for d in v]
+        out[k] = v
+    return out
+
+
+def config_inputs_sha256(data: dict) -> str:
+    """Hex sha256 of `config_inputs(data)` (canonical JSON, sorted keys)."""
+    payload = json.dumps(config_inputs(data), sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def base_fingerprint(base: str) -> str | None:
+    """sha256 over a local base's config.json, index files and safetensors headers (weights not read).
+
+    None when `base` is not a local directory (a hub id).
+    """
+    p = Path(base)
+    if not p.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p.iterdir()):
+        if f.name == "config.json" or f.name.endswith(".json") and "index" in f.name:
+            h.update(f.read_bytes())
+        elif f.suffix == ".safetensors":
+            h.update(header_bytes(f))
+    return h.hexdigest()
+
+
+def base_identity(model: str | None, revision: str | None, fingerprint: str | None) -> dict:
+    """What identifies the base: its local fingerprint, else the hub id and pinned revision."""
+    if fingerprint:
+        return {"fingerprint": fingerprint}
+    return {"id": str(model), "revision": revision}
+
+
+def inputs_fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str:
+    """Hex sha256 of the inputs that determine the adapter (see the module docstring)."""
+    payload = json.dumps(
+        {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def training_inputs(dataset_fingerprint: str, config: dict) -> dict:
+    """The manifest's `inputs` block for a config about to be trained: its parts and the fingerprint."""
+    base = str(config.get("base_model"))
+    revision = (
+        config.get("base_model_revision") or config.get("revision_of_model") or config.get("model_revision")
+    )
+    ident = base_identity(base, revision, base_fingerprint(base))
+    cfg_sha = config_inputs_sha256(config)
+    return {
+        "dataset_fingerprint": dataset_fingerprint,
+        "config_inputs_sha256": cfg_sha,
+        "base": ident,
+        "fingerprint": inputs_fingerprint(dataset_fingerprint, cfg_sha, ident),
+    }
+
+
+def manifest_fingerprint(manifest: dict) -> str | None:
+    """The input fingerprint an adapter's manifest records (`inputs.fingerprint`).
+
+    A manifest from before the `inputs` block falls back to its dataset fingerprint, raw
+    `config_sha256` and base: stable, but it only matches adapters trained from the very same
+    config text. None when the manifest lacks the dataset fingerprint.
+    """
+    inputs = manifest.get("inputs") or {}
+    if inputs.get("fingerprint"):
+        return str(inputs["fingerprint"])
+    ds = (manifest.get("dataset") or {}).get("fingerprint")
+    if not ds:
+        return None
+    b = manifest.get("base_model") or {}
+    ident = base_identity(b.get("id"), b.get("revision"), b.get("fingerprint"))
+    return inputs_fingerprint(str(ds), str(manifest.get("config_sha256") or ""), ident)

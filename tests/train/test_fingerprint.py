@@ -1,0 +1,67 @@
+"""One input fingerprint for every registration (issue 17 item 2): demo, train + register and run agree."""
+
+import shutil
+
+from pipeline.artifacts.fingerprint import config_inputs_sha256, manifest_fingerprint, training_inputs
+from pipeline.config import load_config
+from pipeline.registry.versions import FINGERPRINT_TAG, version_tags
+from pipeline.train.config import load_training_config
+from tests.support.helpers import REPO
+
+TINY = REPO / "axolotl_configs" / "tiny-cpu.yml"
+
+
+def test_demo_overrides_and_plain_run_share_the_fingerprint(tmp_path, monkeypatch, tiny_base):
+    """`make demo` trains tiny-cpu.yml with an absolute base_model and dataset_prepared_path;
+    `pipeline run axolotl_configs/tiny-cpu.yml` from the project root uses the relative ones."""
+    shutil.copytree(tiny_base, tmp_path / ".state" / "tiny-base")
+    monkeypatch.chdir(tmp_path)
+    demo = load_training_config(
+        TINY,
+        [
+            f"base_model={tmp_path / '.state' / 'tiny-base'}",
+            f"dataset_prepared_path={tmp_path / '.state/prepared'}",
+        ],
+    )
+    run = load_training_config(TINY)
+    assert training_inputs("d" * 64, demo.data) == training_inputs("d" * 64, run.data)
+    # the base's location does not matter, its content does
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tiny_base, moved)
+    assert training_inputs("d" * 64, load_training_config(TINY, [f"base_model={moved}"]).data) == (
+        training_inputs("d" * 64, run.data)
+    )
+
+
+def test_what_changes_the_weights_changes_the_fingerprint(tmp_path, monkeypatch, tiny_base):
+    shutil.copytree(tiny_base, tmp_path / ".state" / "tiny-base")
+    monkeypatch.chdir(tmp_path)
+    fp = training_inputs("d" * 64, load_training_config(TINY).data)["fingerprint"]
+    for change in ("learning_rate=0.001", "lora_r=16", "seed=1", "datasets=[{path: a.jsonl, type: alpaca}]"):
+        assert training_inputs("d" * 64, load_training_config(TINY, [change]).data)["fingerprint"] != fp, (
+            change
+        )
+    assert training_inputs("e" * 64, load_training_config(TINY).data)["fingerprint"] != fp
+    # ...and what only says where things go does not
+    for same in ("output_dir=/x", "logging_steps=5", "mlflow_experiment_name=x", "dataset_prepared_path=/p"):
+        assert training_inputs("d" * 64, load_training_config(TINY, [same]).data)["fingerprint"] == fp, same
+
+
+def test_every_registration_tags_the_manifest_fingerprint(tmp_path):
+    """`register_adapter` (used by `pipeline register`, `demo` and `run`) tags `run.fingerprint`."""
+    cfg = load_config(None)
+    inputs = {"fingerprint": "f" * 64}
+    tags = version_tags(
+        cfg, {"inputs": inputs, "dataset": {"fingerprint": "d" * 64}}, {"verdict": "pass"}, None
+    )
+    assert tags[FINGERPRINT_TAG] == "f" * 64
+    # a manifest from before the inputs block still gets a stable fingerprint
+    old = {"dataset": {"fingerprint": "d" * 64}, "config_sha256": "c" * 64, "base_model": {"id": "b"}}
+    assert version_tags(cfg, old, {}, None)[FINGERPRINT_TAG] == manifest_fingerprint(old)
+
+
+def test_dataset_paths_do_not_count_but_their_options_do():
+    a = {"datasets": [{"path": "/a/train.jsonl", "type": "chat_template"}]}
+    b = {"datasets": [{"path": "rel/train.jsonl", "type": "chat_template"}]}
+    c = {"datasets": [{"path": "/a/train.jsonl", "type": "chat_template", "field_messages": "conversations"}]}
+    assert config_inputs_sha256(a) == config_inputs_sha256(b) != config_inputs_sha256(c)

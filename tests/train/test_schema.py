@@ -1,0 +1,110 @@
+"""Unknown axolotl keys are refused before anything is written, against axolotl's own pydantic models.
+
+axolotl's config model ignores extra keys, so a typo would train with the default silently
+(issue 17 item 3). Real axolotl schema (no fake): `axolotl.utils.schemas.config`.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.errors import CheckFailed
+from pipeline.train.config import load_training_config
+from pipeline.train.schema import axolotl_models, check_axolotl_schema, check_known_keys, unknown_keys
+from tests.support.helpers import REPO
+
+TINY = REPO / "axolotl_configs" / "tiny-cpu.yml"
+PROD = REPO / "axolotl_configs" / "qwen3.6-27b-lora.yml"
+FSDP = REPO / "axolotl_configs" / "fsdp2.yml"
+
+
+@pytest.fixture(scope="module")
+def models():
+    return axolotl_models({})
+
+
+def test_shipped_configs_have_no_unknown_keys():
+    for path, overlays in ((TINY, []), (PROD, []), (PROD, [FSDP])):
+        check_known_keys(load_training_config(path, [], overlays))
+
+
+def test_set_typo_is_refused_with_the_closest_key():
+    """The issue's instance: `--set learning_rat=0.001`."""
+    tc = load_training_config(TINY, ["learning_rat=0.001"])
+    with pytest.raises(CheckFailed) as e:
+        check_axolotl_schema(tc)
+    msg = str(e.value)
+    assert "--set learning_rat=0.001: `learning_rat` is not an axolotl setting" in msg
+    assert "did you mean `learning_rate`?" in msg
+
+
+def test_typo_inside_a_dataset_entry(models):
+    """Sibling: nested models (each `datasets` entry against axolotl's dataset models)."""
+    data = {"datasets": [{"path": "x.jsonl", "type": "chat_template", "feld_messages": "messages"}]}
+    assert unknown_keys(data, models) == [("datasets[0].feld_messages", "field_messages")]
+
+
+def test_typo_in_an_overlay_names_the_overlay(tmp_path):
+    """Sibling: an overlay file's key, reported with the overlay's path."""
+    ov = tmp_path / "overlay.yml"
+    ov.write_text("gradient_acumulation_steps: 4\n")
+    with pytest.raises(CheckFailed) as e:
+        check_known_keys(load_training_config(TINY, [], [ov]))
+    assert f"{ov}: `gradient_acumulation_steps`" in str(e.value)
+    assert "gradient_accumulation_steps" in str(e.value)
+
+
+def test_typo_in_the_config_file_names_the_file(tmp_path):
+    """Sibling: the config itself, and a nested mapping (fsdp_config's model)."""
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(TINY.read_text() + "lora_dropuot: 0.1\nfsdp_config: {fsdp_versoin: 2}\n")
+    with pytest.raises(CheckFailed) as e:
+        check_known_keys(load_training_config(cfg))
+    msg = str(e.value)
+    assert f"{cfg}: `lora_dropuot`" in msg and "lora_dropout" in msg
+    assert "`fsdp_config.fsdp_versoin`" in msg and "fsdp_version" in msg
+
+
+def test_aliases_and_pipeline_keys_are_known(models):
+    assert unknown_keys({"model_revision": "abc", "model_type": "X"}, models) == []
+    check_known_keys(load_training_config(TINY, ["base_model_revision=abc"]))
+
+
+def test_base_model_revision_reaches_axolotl(tmp_path):
+    """`base_model_revision` is the pipeline's key: the resolved config gives axolotl `revision_of_model`."""
+    from pipeline.config import load_config
+    from pipeline.train.launch import resolve
+
+    tc = load_training_config(TINY, ["base_model=Qwen/Qwen3.6-27B", "base_model_revision=0123abc"])
+    d = resolve(tc, tmp_path, load_config(None))
+    assert d["revision_of_model"] == "0123abc"
+
+
+def test_cli_train_refuses_before_writing(tmp_path):
+    """`pipeline train ... --set learning_rat=0.001`: exit 1, nothing written, one clear message."""
+    (tmp_path / "pipeline.yaml").write_text(
+        f"state_dir: {tmp_path / 'state'}\ntrain: {{runs_dir: {tmp_path / 'runs'}}}\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "--config",
+            str(tmp_path / "pipeline.yaml"),
+            "train",
+            str(TINY),
+            "--set",
+            f"base_model={tmp_path}",
+            "--set",
+            "learning_rat=0.001",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "learning_rate" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "state" / "mlflow.db").exists()
