@@ -206,6 +206,9 @@ def cases(w: World) -> list[Case]:
         add(Case(["fleet", "prune", n]))
     add(Case(["fleet", "prune", "ghost", "--keep", "0"]))
     add(Case(["fleet", "prune", "ghost"], env="broken-state"))
+    for n in NAMES:
+        add(Case(["fleet", "resolve", n]))
+    add(Case(["fleet", "resolve", "ghost", "--json"], env="broken-state"))
     # schedule
     for n in NAMES:
         add(Case(["schedule", "emit", "--kind", "systemd", "--name", n, "--config", "c.yml"]))
@@ -223,8 +226,7 @@ def cases(w: World) -> list[Case]:
                 "c",
                 "--schedule",
                 "61 3 * * *",
-            ],
-            ok_codes=(0, *ERRORS),  # exits 0 today: issue 17 item 10 (operator area) validates schedules
+            ]
         )
     )
     add(Case(["schedule", "emit", "--kind", "cronjob", "--name", "a", "--config", "c", "--gpus", "-1"]))
@@ -262,6 +264,7 @@ def cases(w: World) -> list[Case]:
             ["status"],
             ["fleet", "status"],
             ["fleet", "prune", "agent"],
+            ["fleet", "resolve", "agent"],
             ["follow-alias", "--once"],
             ["run", tiny, "--name", "agent"],
             ["canary", "agent", "--staging", "http://127.0.0.1:9"],

@@ -99,6 +99,8 @@ def canary(
     vs base. A registered version gets the result as `canary.*` tags (see `pipeline status`).
     Exit 0 pass, 1 fail, 2 usage, 4 staging unreachable.
     """
+    if not Path(adapter).is_dir():
+        adapter_name(adapter)  # a registered model's name: the grammar, before any work
     # a registered name needs the registry to exist already (never create an empty store here)
     cfg = project_config(
         store="any" if Path(adapter).is_dir() else "existing", what=f"registered model {adapter!r}"
@@ -115,7 +117,6 @@ def canary(
                 )
             res = cn.run_canary(cfg, Path(adapter), base_dir, staging, instance_path, files)
         else:
-            adapter_name(adapter)  # a registered model's name: the grammar, before any work
             if instance_path:
                 raise UsageError(
                     "--instance-path is for directory adapters (registered versions are "

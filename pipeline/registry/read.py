@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlparse
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
-from pipeline.registry.store import is_server_uri
+from pipeline.registry.store import check_store, is_server_uri
 from pipeline.registry.versions import aliases, model_exists, model_names, versions
 
 DELETED_STAGE = "Deleted_Internal"  # mlflow.entities.model_registry.model_version_stages
@@ -258,8 +258,11 @@ def read_models(cfg: ProjectConfig, names: list[str] | None = None) -> list[Mode
     """Registered models (all, or `names` that exist) with aliases and versions, newest version first.
 
     Never creates a store. Falls back to the MLflow client when the direct read does not fit the
-    schema. Raises UsageError when the store cannot be reached or is locked.
+    schema. Raises StoreError (a UsageError, exit 2) when the store cannot be used: the same checks
+    and messages as every command that writes (`pipeline.registry.store.check_store`: unreachable,
+    not a database, a sqlite file this project created that is gone, a refused file store).
     """
+    check_store(cfg)
     kind = backend(cfg)
     try:
         if kind == "sqlite":

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from pipeline import registry
+from pipeline.artifacts.fingerprint import training_inputs
 from pipeline.errors import GateFailed
 from pipeline.jobs import run as run_mod
-from pipeline.jobs.run import FINGERPRINT_TAG, fingerprint, run
+from pipeline.jobs.run import FINGERPRINT_TAG, run
 from pipeline.train.config import load_training_config
-from pipeline.train.launch import base_fingerprint, check_inputs
+from pipeline.train.launch import check_inputs
 from tests.support import release_support
 from tests.support.helpers import REPO
 from tests.support.release_support import new_project
@@ -35,12 +36,7 @@ def setup(tmp_path, tiny_base, monkeypatch):
     ]
     tc = load_training_config(TINY, sets, [])
     ds = check_inputs(cfg, tc, set())
-    base = str(tc.data.get("base_model"))
-    fp = fingerprint(
-        ds.fingerprint,
-        tc.sha256,
-        {"id": base, "revision": tc.data.get("base_model_revision"), "fingerprint": base_fingerprint(base)},
-    )
+    fp = training_inputs(ds.fingerprint, tc.data)["fingerprint"]
 
     def no_training(*a, **k):
         raise AssertionError("pipeline run trained although a candidate from these inputs was registered")

@@ -137,7 +137,7 @@ def test_invalid_schedules_fail_before_anything_is_emitted(bad, says, kind, tmp_
 
 def test_other_bad_fields_are_one_clear_line():
     r = _emit("--kind", "systemd", "--name", "Agent_Tools")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--name: name 'Agent_Tools'" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "adapter name 'Agent_Tools'" in r.stderr
     r = _emit("--kind", "systemd", "--gpus", "-1")
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
