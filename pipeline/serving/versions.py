@@ -43,10 +43,8 @@ class VllmRange:
     embedding_lora: bool
     # --lora-target-modules matches adapter (packed-aware) names; else runtime names (qkv_proj, gate_up_proj...)
     target_modules_packed_aware: bool
-    # load_inplace stays set on the stored request: re-read from disk every step (upstream #33791)
-    load_inplace_sticky: bool
-    # what the prefix-cache block hash of a LoRA request holds (vllm/v1/core/kv_cache_utils.py)
-    prefix_cache_key: str
+    # How a live adapter may be replaced (sticky load_inplace, the prefix-cache key) is in
+    # pipeline/serving/swap.py, its one home: those facts split 0.32 from 0.33.
     # --fully-sharded-loras has no sharded wrapper for the 3-slice in_proj_qkv (its LoRA skipped)
     fully_sharded_skips_in_proj_qkv: bool
     # ModelOpt NVFP4 with quantized linear_attn: in_proj_qkv per-tensor scales fill one slot (PR #38517)
@@ -72,8 +70,6 @@ RANGES: tuple[VllmRange, ...] = (
         honours_patterns=False,
         embedding_lora=False,
         target_modules_packed_aware=False,
-        load_inplace_sticky=True,
-        prefix_cache_key="name",
         fully_sharded_skips_in_proj_qkv=True,
         nvfp4_gdn_scale_bug=True,
     ),
@@ -86,8 +82,6 @@ RANGES: tuple[VllmRange, ...] = (
         honours_patterns=False,
         embedding_lora=False,
         target_modules_packed_aware=True,
-        load_inplace_sticky=True,
-        prefix_cache_key="name",
         fully_sharded_skips_in_proj_qkv=False,
         nvfp4_gdn_scale_bug=False,
     ),
@@ -100,8 +94,6 @@ RANGES: tuple[VllmRange, ...] = (
         honours_patterns=False,
         embedding_lora=False,
         target_modules_packed_aware=True,
-        load_inplace_sticky=True,
-        prefix_cache_key="name",
         fully_sharded_skips_in_proj_qkv=False,
         nvfp4_gdn_scale_bug=False,
     ),
@@ -115,8 +107,6 @@ RANGES: tuple[VllmRange, ...] = (
         honours_patterns=True,
         embedding_lora=True,
         target_modules_packed_aware=True,
-        load_inplace_sticky=False,
-        prefix_cache_key="name+path",
         fully_sharded_skips_in_proj_qkv=False,
         nvfp4_gdn_scale_bug=False,
     ),

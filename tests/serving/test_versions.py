@@ -52,10 +52,8 @@ def test_rule_table_per_range():
     # the CausalLM class only from 0.32; the VL class everywhere
     assert r19.qwen35_classes == r21.qwen35_classes == {VL_CLASS}
     assert r33.qwen35_classes == {VL_CLASS, CAUSAL_CLASS}
-    # embedding LoRA, sticky load_inplace, prefix-cache key, packed-aware --lora-target-modules
+    # embedding LoRA, packed-aware --lora-target-modules (swap facts: tests/fleet/test_swap_rules.py)
     assert not r19.embedding_lora and r33.embedding_lora
-    assert r19.load_inplace_sticky and r21.load_inplace_sticky and not r33.load_inplace_sticky
-    assert r21.prefix_cache_key == "name" and r33.prefix_cache_key == "name+path"
     assert not r19.target_modules_packed_aware and r20.target_modules_packed_aware
     assert r19.fully_sharded_skips_in_proj_qkv and not r20.fully_sharded_skips_in_proj_qkv
     assert r19.nvfp4_gdn_scale_bug and not r20.nvfp4_gdn_scale_bug
