@@ -35,23 +35,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "axolotl_configs" / "qwen3.6-27b-lora.yml"
+sys.path.insert(0, str(ROOT))  # run as a script from any directory (also on the GPU host)
+from pipeline.dev.realbase import QWEN36_27B_TEXT  # noqa: E402
 
-# Qwen3.6-27B text geometry (docs/qwen3.6-27b.md).
-GEOMETRY = dict(
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    vocab_size=248320,
-    tie_word_embeddings=False,
-    max_position_embeddings=32768,
-)
+# Qwen3.6-27B text geometry: the one copy in pipeline/dev/realbase.py (docs/qwen3.6-27b.md).
+GEOMETRY = {k: v for k, v in QWEN36_27B_TEXT.items() if k != "num_hidden_layers"} | {
+    "max_position_embeddings": 32768
+}
 TINY = dict(
     GEOMETRY,
     hidden_size=64,

@@ -22,6 +22,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from pipeline import registry
+from pipeline.fleet.client import InstanceClient
 from tests.support.fleet_server import VllmServer, cpu_fleet_env, fleet_env_available, fleet_vllm_version
 from tests.support.helpers import peft_adapter, write_project_config
 
@@ -456,3 +458,104 @@ def test_versioned_swap_answers_with_the_new_weights(fleet, fresh_v2):
     assert name == f"swap-v{s2}"
     for s in fleet.servers.values():
         assert complete(s, name, LONG) == fresh_v2[s.name]
+
+
+# -- the release transaction on the same instances (issue 16 sections 1 and 4) ----------------------
+# Last in the module: its own project (registry, volume) and adapter name `txn`, on instances a and b.
+@pytest.fixture(scope="module")
+def txn(fleet):
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+    from pipeline.validate import FleetRules, validate_adapter
+    from tests.support.release_support import new_project
+
+    with InstanceClient(fleet.cfg.fleet.instances[0], 60) as c:
+        if "naive" in c.adapters():  # the naive-swap test's sticky in-place name: per-step reloads
+            c.unload("naive")
+    volume = (fleet.root / "txn-volume").resolve()
+    cfg = new_project(
+        fleet.root / "txn",
+        volume={"path": str(volume)},
+        served={"model": str(Path(fleet.base).resolve())},
+        fleet={**fleet.cfg.fleet.model_dump(mode="json"), "volume_mount": str(volume)},
+    )
+    for seed in (21, 22, 23):
+        d = peft_adapter(fleet.base, fleet.root / f"src-txn-{seed}", seed=seed)
+        write_json_atomic(
+            d / MANIFEST,
+            {"schema": 1, "name": "txn", "files": file_hashes(d), "base_model": {"id": str(fleet.base)}},
+        )
+        registry.register_adapter(cfg, d, "txn", validate_adapter(d, fleet.base, FleetRules()).to_dict())
+    return cfg
+
+
+def _txn_cli(cfg, *args):
+    from pipeline.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"PIPELINE_CONFIG": str(cfg.source)})
+
+
+def _serves(fleet, cfg, version: int) -> bool:
+    """Every instance has `txn-vN` loaded from its version directory."""
+    want = str(cfg.volume.path / f"txn-v{version}")
+    return all(roots(s).get(f"txn-v{version}") == want for s in fleet.servers.values())
+
+
+def test_txn_crash_after_the_rollout_is_completed_by_the_rerun(fleet, txn):
+    from pipeline.fleet.state import load_state
+    from pipeline.release.publish import publish as do_publish
+    from tests.support.release_support import Killed, crash_at
+
+    cfg = txn
+    do_publish(cfg, "txn", version=1)
+    with crash_at("after-fleet"), pytest.raises(Killed):
+        do_publish(cfg, "txn", version=2)  # the instances switched; aliases never moved
+    assert _serves(fleet, cfg, 2) and registry.alias_version(cfg, "txn", "production") == 1
+    st = _txn_cli(cfg, "fleet", "status", "--json")
+    assert st.exit_code == 4 and any(r["state"] == "drift" for r in json.loads(st.stdout))
+    res = do_publish(cfg, "txn", version=2)
+    assert res.previous_production == 1 and sorted(res.instances) == ["a", "b"]
+    assert registry.alias_version(cfg, "txn", "production") == load_state(cfg.volume.path).version("txn") == 2
+    assert _txn_cli(cfg, "fleet", "status").exit_code == 0
+
+
+def test_txn_crash_after_the_rollout_then_rollback_puts_the_instances_back(fleet, txn):
+    from pipeline.fleet.modes import resolve_served_name
+    from pipeline.fleet.state import load_state
+    from pipeline.release.publish import publish as do_publish
+    from pipeline.release.rollback import rollback
+    from tests.support.release_support import Killed, crash_at
+
+    cfg = txn
+    assert registry.alias_version(cfg, "txn", "production") == 2
+    with crash_at("after-fleet"), pytest.raises(Killed):
+        do_publish(cfg, "txn", version=3)
+    assert _serves(fleet, cfg, 3)
+    res = rollback(cfg, "txn")  # undoes the half-done publish of v3, then 2 -> 1
+    assert res[:2] == (2, 1) and "undone" in res.notes[0]
+    assert _serves(fleet, cfg, 1) and resolve_served_name(cfg, "txn") == "txn-v1"
+    assert all("txn-v3" not in roots(s) for s in fleet.servers.values())  # the undone version is unloaded
+    assert registry.alias_version(cfg, "txn", "production") == load_state(cfg.volume.path).version("txn") == 1
+
+
+def test_txn_tampered_version_is_never_loaded_by_sync(fleet, txn):
+    """Issue 16: after an instance restart, `fleet sync` loaded a version with a byte flipped."""
+    from pipeline.fleet.state import load_state
+
+    cfg = txn
+    assert load_state(cfg.volume.path).version("txn") == 1
+    f = cfg.volume.path / "txn-v1" / "adapter_model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.chmod(0o644)
+    f.write_bytes(bytes(data))
+    for inst in cfg.fleet.instances:  # as after a restart: the instances lost txn's versions
+        with InstanceClient(inst, 60) as c:
+            for n in [n for n in c.adapters() if n.startswith("txn")]:
+                c.unload(n)
+    r = _txn_cli(cfg, "fleet", "sync")
+    assert r.exit_code == 4 and "fails its manifest" in r.output, r.output
+    assert all("txn-v1" not in roots(s) for s in fleet.servers.values())  # never told to load it
+    st = _txn_cli(cfg, "fleet", "status", "--json")
+    rows = json.loads(st.stdout)
+    assert st.exit_code == 4 and any(x["state"] == "corrupt" and x["adapter"] == "txn" for x in rows)

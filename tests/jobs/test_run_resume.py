@@ -86,3 +86,20 @@ def test_killed_between_register_and_fingerprint_tag_registers_once(setup, relea
     assert (out.status, out.version) == ("published", reg.version)
     assert [int(v.version) for v in registry.versions(cfg, "tagless")] == [reg.version]
     assert registry.versions(cfg, "tagless")[0].tags[FINGERPRINT_TAG] == fp
+
+
+def test_publish_gate_refusal_is_a_gated_run(setup, release_adapters):
+    """A refusal from publish's own gates (here: `canary.required` with no canary recorded) keeps
+    the candidate, records the gate on the version and raises GateFailed (exit 5), like the eval gate."""
+    cfg, sets, fp = setup
+    cand = registry.register_adapter(cfg, release_adapters[0][0], "canaried", release_adapters[0][1])
+    registry.set_version_tags(cfg, "canaried", cand.version, {FINGERPRINT_TAG: fp})
+    cfg.canary.required = True
+    with pytest.raises(GateFailed) as e:
+        run(cfg, TINY, name="canaried", overrides=sets, echo=lambda m: None)
+    out = e.value.outcome
+    assert (out.status, out.version) == ("gated", cand.version) and "canary" in out.reason
+    assert registry.alias_version(cfg, "canaried", "production") is None
+    tags = registry.resolve_version(cfg, "canaried", version=cand.version).tags
+    assert tags["gate.verdict"] == "gated" and "canary" in tags["gate.reason"]
+    assert not (cfg.volume.path / f"canaried-v{cand.version}").exists()

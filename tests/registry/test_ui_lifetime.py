@@ -47,8 +47,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start_ui(cfg) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
+def _spawn_ui(cfg) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "pipeline", "ui", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -56,39 +56,51 @@ def _start_ui(cfg) -> tuple[subprocess.Popen, str]:
         env={**os.environ, "PIPELINE_CONFIG": str(cfg.source)},
         start_new_session=True,
     )
+
+
+def _ui_url(proc: subprocess.Popen) -> str:
     deadline = time.time() + 240
     for line in proc.stdout:
         if line.startswith("MLflow UI: "):
-            return proc, line.split("MLflow UI: ", 1)[1].split("/#")[0]
+            return line.split("MLflow UI: ", 1)[1].split("/#")[0]
         assert time.time() < deadline, "ui did not start"
     raise AssertionError(f"ui exited {proc.wait()}")
 
 
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL, signal.SIGHUP])
-def test_server_dies_with_pipeline_ui(registry_project, two_adapters, tiny_base, how):
+HOW = (signal.SIGTERM, signal.SIGKILL, signal.SIGHUP)
+
+
+def test_server_dies_with_pipeline_ui(registry_project, two_adapters, tiny_base):
+    """One `pipeline ui` per way it can end, started together (each server start is the slow part)."""
     cfg = registry_project
     name = f"ui-{uuid.uuid4().hex[:6]}"
     register(cfg, two_adapters[0], tiny_base, name)
-    proc, url = _start_ui(cfg)
+    procs = {how: _spawn_ui(cfg) for how in HOW}
     try:
-        kids = _descendants(proc.pid)
-        assert len(kids) >= 2, kids  # the guard and the server (and its workers)
-        if how == signal.SIGTERM:  # once is enough: the REST reader reads what the sqlite file holds
-            rest = {m.name: m for m in read_rest(url, [name])}
-            local = {m.name: m for m in read_sqlite(cfg.state_dir / "mlflow.db", [name])}
-            assert rest[name].aliases == local[name].aliases
-            assert [(v.version, v.tags) for v in rest[name].versions] == [
-                (v.version, v.tags) for v in local[name].versions
-            ]
-        os.kill(proc.pid, how)
-        proc.wait(60)
+        urls = {how: _ui_url(p) for how, p in procs.items()}
+        kids = {how: _descendants(p.pid) for how, p in procs.items()}
+        for how in HOW:
+            assert len(kids[how]) >= 2, kids  # the guard and the server (and its workers)
+        # the REST reader reads what the sqlite file holds
+        rest = {m.name: m for m in read_rest(urls[signal.SIGTERM], [name])}
+        local = {m.name: m for m in read_sqlite(cfg.state_dir / "mlflow.db", [name])}
+        assert rest[name].aliases == local[name].aliases
+        assert [(v.version, v.tags) for v in rest[name].versions] == [
+            (v.version, v.tags) for v in local[name].versions
+        ]
+        for how, p in procs.items():
+            os.kill(p.pid, how)
+        for p in procs.values():
+            p.wait(60)
         deadline = time.time() + 60
-        while time.time() < deadline and any(_alive(k) for k in kids):
+        while time.time() < deadline and any(_alive(k) for ks in kids.values() for k in ks):
             time.sleep(0.5)
-        assert not [k for k in kids if _alive(k)], f"left running after {how.name}"
+        for how in HOW:
+            assert not [k for k in kids[how] if _alive(k)], f"left running after {how.name}"
     finally:
-        for k in _descendants(proc.pid) | {proc.pid}:
-            try:
-                os.kill(k, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for p in procs.values():
+            for k in _descendants(p.pid) | {p.pid}:
+                try:
+                    os.kill(k, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -1,7 +1,7 @@
 """Publish, promote and rollback are transactions: a crash at any checkpoint is completed or undone by the
 next command, and concurrent commands on one adapter never interleave (issue 16 section 1).
 
-Real sqlite MLflow and a real volume; no fleet here (tests/release/test_release_fleet.py has one).
+Real sqlite MLflow and a real volume; no fleet here (tests/fleet/test_fleet_vllm.py runs the transaction against real vLLM instances, `test_txn_*`).
 Crashes are injected at `pipeline.release.transaction.checkpoint`s, never by timing.
 """
 

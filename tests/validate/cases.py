@@ -15,6 +15,8 @@ import shutil
 import struct
 from pathlib import Path
 
+from tests.support.helpers import DEFAULT_TARGETS
+
 W = "adapter_model.safetensors"
 C = "adapter_config.json"
 P = "base_model.model.model.layers."
@@ -262,19 +264,6 @@ def _resolved(env_key, **data):
 
     return kw
 
-
-DEFAULT_TARGETS = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-]
 
 CASES = [
     # -- the directory (issue 16 section 3) --
