@@ -6,7 +6,7 @@ settings and only these overrides: `base_model` (a random-weight real-geometry b
 `max_steps`, `gradient_accumulation_steps` (1, so that every optimizer step is a log record),
 no evaluation/checkpoints (training throughput only), and per experiment the lever it measures.
 Throughput, MFU and peak memory are what `pipeline train` itself computes from the trainer's
-metrics (pipeline.train.launch.summarise), with `train.peak_tflops` set to the bf16 matmul rate
+metrics (pipeline.train.metrics.summarise), with `train.peak_tflops` set to the bf16 matmul rate
 measured on the same GPU in the same call.
 
     python benchmarks/axolotl_h200.py data DIR --tokenizer BASE_DIR    # synthetic datasets (CPU ok)

@@ -10,7 +10,7 @@ Per variant and sequence length it prints tokens/s, effective (trainable-label) 
 peak GPU memory, seconds per layer group and the 64-layer extrapolation, and writes JSON.
 MFU = 6 x N x tokens/s / peak, N = parameters of the 64-layer text model (counted on the meta
 device), peak = the bf16 matmul rate measured in the same run (8192^3, random data) and, for
-comparison, the datasheet rate in `pipeline.train.launch.PEAK_TFLOPS`.
+comparison, the datasheet rate in `pipeline.train.metrics.PEAK_TFLOPS`.
 
 Each variant runs in its own subprocess: the Gated-DeltaNet kernel (flash-linear-attention or the
 plain-torch fallback) is chosen when transformers imports the Qwen3.5 module, and Liger patches
@@ -340,7 +340,7 @@ def measure_peak_tflops() -> float | None:
 
 
 def datasheet_peaks() -> dict:
-    """pipeline.train.launch.PEAK_TFLOPS, read without importing the pipeline (the GPU host lacks its deps)."""
+    """pipeline.train.metrics.PEAK_TFLOPS, read without importing the pipeline (the GPU host lacks its deps)."""
     import ast
 
     tree = ast.parse((ROOT / "pipeline" / "train.py").read_text())

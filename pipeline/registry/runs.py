@@ -45,7 +45,7 @@ def finish_training_run(
     """Log train's summary (losses, `tokens_per_s`, `mfu`, runtime) and artifacts; end the run.
 
 
-    `metrics` is `pipeline.train.launch.summarise` output: losses are plain numbers, `tokens_per_s` is
+    `metrics` is `pipeline.train.metrics.summarise` output: losses are plain numbers, `tokens_per_s` is
     tokens per second of training wall time, `mfu` a fraction (0-1). `mfu` exists only when the
     accelerator's peak is known (`train.peak_tflops` or a GPU in `train.PEAK_TFLOPS`); without it
     the run gets the tag `mfu.unavailable` saying why, so the UI does not just lack a number.

@@ -40,8 +40,11 @@ from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
+from pipeline.train.metrics import read_metrics, summarise
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
+from pipeline.train.progress import follow_progress, progress_mode
 from pipeline.train.schema import check_axolotl_schema
+from pipeline.train.wrapped_keys import WRAPPER_SEGMENTS, normalise_adapter_keys
 from pipeline.validate.report import FleetRules
 
 log = logging.getLogger("pipeline.train")
@@ -55,63 +58,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "special_tokens_map.json",
 )
-# Per-GPU dense bf16 peak (TFLOP/s, no sparsity) by device-name substring, from vendor datasheets;
-# the longest matching key wins ("H20" vs "H200"). Override with train.peak_tflops, e.g. with a
-# measured matmul rate: an H200 here ran 8192^3 bf16 products at 727-798 TFLOP/s, so MFU against
-# the datasheet reads ~0.78x MFU against the measured rate (benchmarks/RESULTS.md).
-# MFU = 6 x base parameters x tokens/s / (peak x GPUs).
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "GH200": 989.0,
-    "H800": 989.0,
-    "H20": 148.0,
-    "B200": 2250.0,
-    "B300": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "RTX PRO 6000": 504.0,
-}
-
-
-# Module names that FSDP2's activation checkpointing (torch.distributed checkpoint_wrapper), FSDP1 and
-# torch.compile insert between a module and its children: the PEFT state dict of an FSDP2 run with
-# `fsdp_config.activation_checkpointing: true` has keys like
-# `...layers.0._checkpoint_wrapped_module._checkpoint_wrapped_module.mlp.up_proj.lora_A.weight`
-# (measured on 2 H200s, benchmarks/RESULTS.md), which no server maps to the base's modules.
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def normalise_adapter_keys(path: Path) -> int:
-    """Rewrite `path` (adapter_model.safetensors) without WRAPPER_SEGMENTS in tensor names.
-
-    Returns the number of renamed tensors (0: file untouched). Raises CheckFailed when two tensors
-    would get the same name.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(path), framework="pt") as f:
-        keys = list(f.keys())
-        metadata = f.metadata()
-        renames = {}
-        for k in keys:
-            new = k
-            for seg in WRAPPER_SEGMENTS:
-                new = new.replace(seg, "")
-            if new != k:
-                renames[k] = new
-        if not renames:
-            return 0
-        tensors = {renames.get(k, k): f.get_tensor(k) for k in keys}
-    if len(tensors) != len(keys):
-        raise CheckFailed(f"{path}: removing wrapper names from tensor names makes two tensors collide")
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return len(renames)
 
 
 class TrainError(CheckFailed):
@@ -253,215 +199,6 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(cands)[1] if cands else None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
-
-
-def peak_for(gpu: str | None) -> float | None:
-    """Datasheet bf16 TFLOP/s for a CUDA device name (longest PEAK_TFLOPS key it contains), or None."""
-    keys = [k for k in PEAK_TFLOPS if gpu and k in gpu]
-    return PEAK_TFLOPS[max(keys, key=len)] if keys else None
-
-
-def summarise(records: list[dict], peak_tflops: float | None = None) -> dict:
-    """Final losses, throughput and MFU from the records of metrics.jsonl.
-
-    Throughput counts training time only: the sum of gaps between consecutive training log
-    records, leaving out gaps that contain an evaluation and gaps across a restart (a new `begin`
-    record, e.g. after resuming: model loading is not training). Token counts are axolotl's
-    cumulative `tokens/total` and `tokens/trainable` (all ranks). Keys written when derivable:
-    train_loss, eval_loss, tokens_per_s, trainable_tokens_per_s, mfu (fraction of
-    `peak_tflops` x world_size, default: PEAK_TFLOPS for the GPU named in `begin`), peak_tflops,
-    peak_mem_gib (axolotl's `memory/max_allocated (GiB)`), train_runtime_s, steps.
-    """
-    out: dict = {}
-    segment, seg_of = 0, []
-    for r in records:  # which training session (one per `begin`) each record belongs to
-        segment += r.get("event") == "begin"
-        seg_of.append(segment)
-    logs = [(s, r) for s, r in zip(seg_of, records, strict=True) if r.get("event") == "log"]
-    begins = [r for r in records if r.get("event") == "begin"]
-    begin = begins[-1] if begins else {}
-    train = [(s, r) for s, r in logs if "loss" in r]
-    evals = [r for _, r in logs if "eval_loss" in r]
-    if train:
-        out["train_loss"] = train[-1][1]["loss"]
-    if evals:
-        out["eval_loss"] = evals[-1]["eval_loss"]
-    dt_s = dtok = dtrain = 0.0
-    has_trainable = True
-    tok = [(s, r) for s, r in train if "tokens/total" in r]
-    for (sa, a), (sb, b) in zip(tok, tok[1:], strict=False):
-        if sa != sb or any(a["time"] < e["time"] < b["time"] for e in evals):
-            continue
-        if b["tokens/total"] < a["tokens/total"]:  # counters reset: not a training gap
-            continue
-        dt_s += b["time"] - a["time"]
-        dtok += b["tokens/total"] - a["tokens/total"]
-        if "tokens/trainable" in a and "tokens/trainable" in b:
-            dtrain += b["tokens/trainable"] - a["tokens/trainable"]
-        else:
-            has_trainable = False
-    if dt_s > 0 and dtok > 0:
-        out["tokens_per_s"] = dtok / dt_s
-        if has_trainable:
-            out["trainable_tokens_per_s"] = dtrain / dt_s
-    final = next((r for _, r in reversed(logs) if "train_runtime" in r), None)
-    if final:
-        out["train_runtime_s"] = final["train_runtime"]
-    mem = [r["memory/max_allocated (GiB)"] for _, r in logs if "memory/max_allocated (GiB)" in r]
-    if mem:
-        out["peak_mem_gib"] = max(mem)
-    world = begin.get("world_size") or 1
-    peak = peak_tflops or peak_for(begin.get("gpu"))
-    if peak:
-        out["peak_tflops"] = peak
-    if peak and begin.get("base_params") and out.get("tokens_per_s"):
-        out["mfu"] = 6 * begin["base_params"] * out["tokens_per_s"] / (peak * 1e12 * world)
-    out["steps"] = max((r.get("step", 0) for _, r in logs), default=0)
-    return out
-
-
-@dataclass
-class Progress:
-    """Training progress read from metrics.jsonl: step/total, losses, tokens/s, elapsed and ETA (seconds)."""
-
-    step: int = 0
-    total: int | None = None
-    loss: float | None = None
-    eval_loss: float | None = None
-    tokens_per_s: float | None = None
-    elapsed_s: float = 0.0
-    eta_s: float | None = None
-
-    def line(self) -> str:
-        """`train: step 6/12 (50%)  loss 2.3456  eval 2.4012  1234 tokens/s  elapsed 0:01:02  ETA 0:01:02`."""
-        if self.step == 0:
-            return f"train: loading model and data  elapsed {_hms(self.elapsed_s)}"
-        total = f"/{self.total} ({100 * self.step / self.total:.0f}%)" if self.total else ""
-        parts = [f"train: step {self.step}{total}"]
-        if self.loss is not None:
-            parts.append(f"loss {self.loss:.4f}")
-        if self.eval_loss is not None:
-            parts.append(f"eval {self.eval_loss:.4f}")
-        if self.tokens_per_s is not None:
-            parts.append(f"{self.tokens_per_s:.0f} tokens/s")
-        parts.append(f"elapsed {_hms(self.elapsed_s)}")
-        if self.eta_s is not None:
-            parts.append(f"ETA {_hms(self.eta_s)}")
-        return "  ".join(parts)
-
-
-def _hms(s: float) -> str:
-    s = int(max(s, 0))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def progress_of(records: list[dict], started: float, now: float | None = None) -> Progress:
-    """Progress from metrics.jsonl records of the latest session (`begin`); `started`: wall time (s) it began.
-
-    tokens/s: axolotl's cumulative `tokens/total` over wall time between the session's first and
-    last training log; ETA: time per step so far in this session x steps left.
-    """
-    now = time.time() if now is None else now
-    begins = [i for i, r in enumerate(records) if r.get("event") == "begin"]
-    recs = records[begins[-1] :] if begins else records
-    logs = [r for r in recs if r.get("event") == "log"]
-    p = Progress(elapsed_s=now - started)
-    begin = recs[0] if begins else {}
-    p.total = begin.get("max_steps") or next(
-        (r.get("max_steps") for r in reversed(logs) if r.get("max_steps")), None
-    )
-    if not logs:
-        return p
-    last = logs[-1]
-    p.step = int(last.get("step") or 0)
-    p.total = last.get("max_steps") or p.total
-    p.loss = next((r["loss"] for r in reversed(logs) if "loss" in r), None)
-    p.eval_loss = next((r["eval_loss"] for r in reversed(logs) if "eval_loss" in r), None)
-    tok = [r for r in logs if "tokens/total" in r and "time" in r]
-    if len(tok) >= 2 and tok[-1]["time"] > tok[0]["time"]:
-        p.tokens_per_s = (tok[-1]["tokens/total"] - tok[0]["tokens/total"]) / (
-            tok[-1]["time"] - tok[0]["time"]
-        )
-    train = [r for r in logs if "loss" in r and "time" in r and r.get("step")]  # evaluations take extra time
-    if len(train) >= 2 and p.total and int(train[-1]["step"]) > int(train[0]["step"]):
-        per_step = (train[-1]["time"] - train[0]["time"]) / (int(train[-1]["step"]) - int(train[0]["step"]))
-        p.eta_s = per_step * max(p.total - p.step, 0)
-    return p
-
-
-# Seconds between progress lines when stderr is not a terminal (`pipeline train > log 2>&1`, cron, CI).
-PROGRESS_INTERVAL_ENV = "PIPELINE_PROGRESS_INTERVAL"
-
-
-def _progress_loop(proc: subprocess.Popen, metrics: Path, mode: str, interval_s: float | None = None) -> None:
-    """Wait for the trainer, showing progress: `bar` (rich, a terminal), `lines` (a log line every
-    `interval_s` seconds, default $PIPELINE_PROGRESS_INTERVAL or 30, plus one per evaluation and
-    at the end), or `off`."""
-    started = time.time()
-    if mode == "lines":
-        interval_s = interval_s or float(os.environ.get(PROGRESS_INTERVAL_ENV) or 30)
-        last_line = 0.0
-        last_eval = None
-        while proc.poll() is None:
-            p = progress_of(read_metrics(metrics), started)
-            now = time.time()
-            if now - last_line >= interval_s or (p.eval_loss is not None and p.eval_loss != last_eval):
-                log.info(p.line())
-                last_line, last_eval = now, p.eval_loss
-            time.sleep(min(0.5, interval_s))
-        log.info(progress_of(read_metrics(metrics), started).line() + f"  (trainer exited {proc.returncode})")
-        return
-    if mode != "bar":
-        proc.wait()
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.progress import Progress as Bar
-
-    with Bar(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        transient=False,
-    ) as prog:
-        task = prog.add_task("train", total=None, info="loading model and data")
-        while proc.poll() is None:
-            p = progress_of(read_metrics(metrics), started)
-            if p.step:
-                info = f"loss {p.loss:.4f}" if p.loss is not None else ""
-                info += f"  eval {p.eval_loss:.4f}" if p.eval_loss is not None else ""
-                info += f"  {p.tokens_per_s:.0f} tok/s" if p.tokens_per_s is not None else ""
-                prog.update(task, total=p.total, completed=p.step, info=info)
-            time.sleep(0.5)
-
-
-def progress_mode(show_progress: bool | str) -> str:
-    """`bar` on a terminal, `lines` otherwise; `off` when disabled. Accepts a mode string as is."""
-    if isinstance(show_progress, str):
-        return show_progress
-    if not show_progress:
-        return "off"
-    return "bar" if sys.stderr.isatty() else "lines"
-
-
 def train(
     cfg: ProjectConfig,
     config_path: Path,
@@ -556,7 +293,7 @@ def train(
             start_new_session=True,
         )
         try:
-            _progress_loop(proc, metrics_file, progress_mode(show_progress))
+            follow_progress(proc, metrics_file, progress_mode(show_progress))
         except BaseException:
             proc.terminate()
             proc.wait(30)

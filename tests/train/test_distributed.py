@@ -58,7 +58,7 @@ def test_fsdp2_checkpoint_wrapper_names_are_removed_from_the_adapter(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pipeline.train.launch import normalise_adapter_keys
+    from pipeline.train.wrapped_keys import normalise_adapter_keys
 
     p = tmp_path / "adapter_model.safetensors"
     plain = "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight"

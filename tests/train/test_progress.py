@@ -4,7 +4,7 @@ import logging
 import subprocess
 import sys
 
-from pipeline.train.launch import _progress_loop, progress_mode, progress_of
+from pipeline.train.progress import follow_progress, progress_mode, progress_of
 
 
 def _records():
@@ -57,7 +57,7 @@ def test_lines_mode_logs_at_an_interval(tmp_path):
     logger.addHandler(h)
     logger.setLevel(logging.INFO)
     try:
-        _progress_loop(proc, metrics, "lines", interval_s=0.4)
+        follow_progress(proc, metrics, "lines", interval_s=0.4)
     finally:
         logger.removeHandler(h)
         logger.setLevel(level)

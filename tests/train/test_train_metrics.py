@@ -1,4 +1,4 @@
-"""`pipeline.train.launch.summarise`: tokens/s and MFU from a synthetic metrics.jsonl (CPU, no training)."""
+"""`pipeline.train.metrics.summarise`: tokens/s and MFU from a synthetic metrics.jsonl (CPU, no training)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.train.launch import PEAK_TFLOPS, peak_for, read_metrics, summarise
+from pipeline.train.metrics import PEAK_TFLOPS, peak_for, read_metrics, summarise
 
 PARAMS = 26_895_998_464  # Qwen3.6-27B text model, counted by benchmarks/train_throughput.py
 
