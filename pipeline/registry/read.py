@@ -262,7 +262,7 @@ def read_models(cfg: ProjectConfig, names: list[str] | None = None) -> list[Mode
     and messages as every command that writes (`pipeline.registry.store.check_store`: unreachable,
     not a database, a sqlite file this project created that is gone, a refused file store).
     """
-    check_store(cfg)
+    check_store(cfg, write=False)  # a read-only store can still be read
     kind = backend(cfg)
     try:
         if kind == "sqlite":

@@ -39,7 +39,7 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
 }
-_checked: set[str] = set()
+_checked: set[tuple[str, bool]] = set()  # (uri, checked for writing)
 _last_uri: list[str] = []
 
 
@@ -60,7 +60,7 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(rest if rest.startswith("/") else os.path.abspath(rest))
 
 
-def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float) -> None:
+def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = True) -> None:
     path = _sqlite_path(uri)
     if path is None:
         return
@@ -77,6 +77,13 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float) -> None:
         return
     if path.is_dir():
         raise StoreError(f"the MLflow database {path} is a directory, not a sqlite file")
+    if write and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+        # sqlite takes its locks on a read-only file without complaint; the first write fails later,
+        # after a publish may already have moved the volume: refuse before anything is written
+        raise StoreError(
+            f"the MLflow database {path} (or its directory, for sqlite's journal) is read-only here: "
+            f"make it writable, or point MLFLOW_TRACKING_URI at a writable store"
+        )
     try:
         conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout_s)
     except sqlite3.Error as e:
@@ -131,12 +138,12 @@ def _check_http(uri: str, timeout_s: float) -> None:
         ) from e
 
 
-def _check_uri(cfg: ProjectConfig, uri: str) -> None:
+def _check_uri(cfg: ProjectConfig, uri: str, write: bool = True) -> None:
     timeout_s = cfg.registry.connect_timeout_s
     scheme = urllib.parse.urlparse(uri).scheme.lower()
     db = scheme.split("+", 1)[0]
     if db == "sqlite":
-        _check_sqlite(cfg, uri, timeout_s)
+        _check_sqlite(cfg, uri, timeout_s, write)
     elif scheme in ("http", "https"):
         _check_http(uri, timeout_s)
     elif db in ("postgresql", "postgres", "mysql", "mssql"):
@@ -162,7 +169,7 @@ def store_exists(cfg: ProjectConfig) -> bool:
     return True
 
 
-def check_store(cfg: ProjectConfig) -> None:
+def check_store(cfg: ProjectConfig, write: bool = True) -> None:
     """Make sure the tracking (and registry) store can be used; once per store and process.
 
     Writes nothing (a sqlite file that does not exist yet is fine: MLflow creates it). Raises
@@ -171,10 +178,10 @@ def check_store(cfg: ProjectConfig) -> None:
     """
     uris = [cfg.tracking_uri] + ([cfg.registry.registry_uri] if cfg.registry.registry_uri else [])
     for uri in uris:
-        if uri in _checked:
+        if (uri, write) in _checked or (uri, True) in _checked:
             continue
-        _check_uri(cfg, uri)
-        _checked.add(uri)
+        _check_uri(cfg, uri, write)
+        _checked.add((uri, write))
 
 
 def as_store_error(exc: BaseException, uri: str | None = None) -> StoreError | None:

@@ -178,3 +178,32 @@ def test_same_weights_reregistered_in_a_new_store_are_still_another_entry(tmp_pa
     register_versions(cfg, "same", release_adapters[:1], 1)
     with pytest.raises(PublishError, match="another registry entry"):
         publish(cfg, "same", version=1)
+
+
+def test_read_only_store_is_refused_before_the_volume_changes(tmp_path, release_adapters, monkeypatch):
+    """A sqlite store on a read-only mount: sqlite takes its locks without complaint and the first
+    write failed only after publish had moved fleet-state.json (a new user's report). The mount is
+    simulated (os.access answering as on EROFS): tests run as root, for whom chmod changes nothing."""
+    import os
+
+    from pipeline.fleet.state import load_state
+    from pipeline.release.publish import publish
+
+    cfg = new_project(tmp_path)
+    register_versions(cfg, "agent", release_adapters[:2], 2)
+    publish(cfg, "agent", version=1)
+    db = cfg.state_dir / "mlflow.db"
+    real = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode, **k: (
+            False if (mode & os.W_OK and str(p) in (str(db), str(db.parent))) else real(p, mode, **k)
+        ),
+    )
+    store._checked.clear()
+    r = _cli(cfg, "publish", "agent", "--version", "2")
+    assert r.exit_code == 2 and "read-only" in r.output and "Traceback" not in r.output, r.output
+    assert load_state(cfg.volume.path).version("agent") == 1
+    assert not (cfg.volume.path / "agent-v2").exists()
+    assert _cli(cfg, "status", "agent").exit_code == 0  # still readable
