@@ -180,7 +180,17 @@ def test_same_weights_reregistered_in_a_new_store_are_still_another_entry(tmp_pa
         publish(cfg, "same", version=1)
 
 
-def test_read_only_store_is_refused_before_the_volume_changes(tmp_path, release_adapters, monkeypatch):
+@pytest.mark.parametrize(
+    "read_only,args",
+    [
+        ("file", ["publish", "agent", "--version", "2"]),
+        ("dir", ["publish", "agent", "--version", "2"]),  # sibling: sqlite's journal cannot be created
+        ("file", ["rollback", "agent", "--to", "1"]),  # sibling: another command that moves the desired state
+    ],
+)
+def test_read_only_store_is_refused_before_the_volume_changes(
+    tmp_path, release_adapters, monkeypatch, read_only, args
+):
     """A sqlite store on a read-only mount: sqlite takes its locks without complaint and the first
     write failed only after publish had moved fleet-state.json (a new user's report). The mount is
     simulated (os.access answering as on EROFS): tests run as root, for whom chmod changes nothing."""
@@ -192,18 +202,20 @@ def test_read_only_store_is_refused_before_the_volume_changes(tmp_path, release_
     cfg = new_project(tmp_path)
     register_versions(cfg, "agent", release_adapters[:2], 2)
     publish(cfg, "agent", version=1)
+    if args[0] == "rollback":
+        publish(cfg, "agent", version=2)
+    before = load_state(cfg.volume.path).version("agent")
     db = cfg.state_dir / "mlflow.db"
+    ro = str(db) if read_only == "file" else str(db.parent)
     real = os.access
     monkeypatch.setattr(
-        os,
-        "access",
-        lambda p, mode, **k: (
-            False if (mode & os.W_OK and str(p) in (str(db), str(db.parent))) else real(p, mode, **k)
-        ),
+        os, "access", lambda p, mode, **k: False if (mode & os.W_OK and str(p) == ro) else real(p, mode, **k)
     )
     store._checked.clear()
-    r = _cli(cfg, "publish", "agent", "--version", "2")
+    r = _cli(cfg, *args)
     assert r.exit_code == 2 and "read-only" in r.output and "Traceback" not in r.output, r.output
-    assert load_state(cfg.volume.path).version("agent") == 1
-    assert not (cfg.volume.path / "agent-v2").exists()
+    assert load_state(cfg.volume.path).version("agent") == before
+    assert sorted(p.name for p in cfg.volume.path.glob("agent-v*")) == [
+        f"agent-v{v}" for v in range(1, before + 1)
+    ]
     assert _cli(cfg, "status", "agent").exit_code == 0  # still readable
