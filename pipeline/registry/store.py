@@ -85,13 +85,14 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
             f"make it writable, or point MLFLOW_TRACKING_URI at a writable store"
         )
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout_s)
+        conn = sqlite3.connect(f"file:{path}?mode={'rw' if write else 'ro'}", uri=True, timeout=timeout_s)
     except sqlite3.Error as e:
         raise StoreError(f"cannot open the MLflow database {path}: {e}") from e
     try:
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        conn.execute("BEGIN IMMEDIATE")  # takes the write lock: another process holding it blocks us
-        conn.rollback()
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # fails under an exclusive lock
+        if write:  # a reader need not wait for a writer's (reserved) lock: sqlite lets it read
+            conn.execute("BEGIN IMMEDIATE")  # takes the write lock: another process holding it blocks us
+            conn.rollback()
     except sqlite3.OperationalError as e:
         if "locked" in str(e) or "busy" in str(e):
             raise StoreError(

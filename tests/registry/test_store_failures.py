@@ -219,3 +219,19 @@ def test_read_only_store_is_refused_before_the_volume_changes(
         f"agent-v{v}" for v in range(1, before + 1)
     ]
     assert _cli(cfg, "status", "agent").exit_code == 0  # still readable
+
+
+def test_status_reads_while_another_process_writes(tmp_path):
+    """Sibling of the locked store: a writer's reserved lock (a `register` mid-transaction) does not
+    stop a read; only an exclusive lock does (test_locked_sqlite_store)."""
+    cfg = new_project(tmp_path, registry={"connect_timeout_s": 1})
+    registry.experiment_id(cfg)
+    store._checked.clear()
+    other = sqlite3.connect(cfg.state_dir / "mlflow.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        r = _cli(cfg, "status")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert r.exit_code == 0, r.output
