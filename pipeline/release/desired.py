@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import registry
 from pipeline.artifacts.volume import TXN, verify_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import PipelineError
 from pipeline.fleet.reconcile import StatusRow
 from pipeline.fleet.state import Drift, drift, load_state
+from pipeline.registry.read import read_models
+from pipeline.registry.versions import ALIAS_PRODUCTION
 from pipeline.release.transaction import load_intent
 
 
@@ -30,17 +31,14 @@ def desired_drift(
 
     `names`: adapters to check (default: every registered model and every adapter in the state
     file). `production`: {adapter: version} when the caller has read the aliases already
-    (`pipeline status`); else one alias lookup per adapter. Changes nothing.
+    (`pipeline status`); else one registry read (`pipeline.registry.read`). Changes nothing.
     """
     vol = Path(cfg.volume.path)
     state = load_state(vol)
-    if production is None:
-        known = set(registry.model_names(cfg)) if registry.store_exists(cfg) else set()
-        todo = sorted(set(names) if names else known | set(state.adapters))
-        production = {
-            n: (registry.alias_version(cfg, n, registry.ALIAS_PRODUCTION) if n in known else None)
-            for n in todo
-        }
+    if production is None:  # one read of every model's aliases, without importing mlflow
+        known = {m.name: m.aliases.get(ALIAS_PRODUCTION) for m in read_models(cfg)}
+        todo = sorted(set(names) if names else set(known) | set(state.adapters))
+        production = {n: known.get(n) for n in todo}
     else:
         todo = sorted(set(names) if names else set(production) | set(state.adapters))
         production = {n: production.get(n) for n in todo}
