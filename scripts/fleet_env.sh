@@ -16,6 +16,12 @@ if [[ "${1:-}" != "--force" && -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" ]]; th
   exit 0
 fi
 
+# A dangling link or a half-made directory without a python (a checkout that
+# carried a link to another machine's venv, a killed first run) is replaced.
+if [[ ! -x "$VENV/bin/python" ]] && { [[ -L "$VENV" ]] || [[ -e "$VENV" ]]; }; then
+  echo "replacing $VENV: no usable python in it"
+  rm -rf "$VENV"
+fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch==2.13.0+cpu comes from /opt/wheels (pip config find-links). The global
