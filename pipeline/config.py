@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipeline.errors import ConfigError
@@ -59,10 +60,32 @@ class ServedSection(_Section):
     served_model_name: str | None = Field(None, description="vLLM --served-model-name, if set")
 
 
+def http_base_url(v: str) -> str:
+    """`v` without a trailing slash if it is an http(s) URL with a host and a valid port.
+
+    Raises ValueError saying what is wrong (pydantic reports it with the field's location).
+    """
+    parts = urlsplit(v)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as e:
+        raise ValueError(f"{v!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{v!r} is not an http(s) base URL like http://10.0.0.5:8000")
+    return v.rstrip("/")
+
+
 class Instance(_Section):
-    name: str
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="unique instance name"
+    )
     url: str = Field(description="base URL, e.g. http://10.0.0.5:8000")
     api_key_env: str | None = Field(None, description="environment variable holding the API key")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return http_base_url(v)
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -102,7 +125,7 @@ class FleetSection(_Section):
         "Hello, the weather in Tokyo is", description="prompt of the post-switch canary"
     )
     canary_max_tokens: int = Field(8, ge=1, description="greedy tokens the canary compares with the base")
-    lock_timeout_s: float = Field(300.0, description="wait for another fleet operation's lock, seconds")
+    lock_timeout_s: float = Field(300.0, ge=0, description="wait for another fleet operation's lock, seconds")
 
     @field_validator("max_lora_rank")
     @classmethod
@@ -110,6 +133,19 @@ class FleetSection(_Section):
         if v not in LORA_RANKS:
             raise ValueError(f"max_lora_rank {v} is not one of vLLM's {LORA_RANKS}")
         return v
+
+    @model_validator(mode="after")
+    def _instances_consistent(self) -> FleetSection:
+        names = [i.name for i in self.instances]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"instance names must be unique; repeated: {', '.join(dup)}")
+        if self.instances and self.min_healthy is not None and self.min_healthy > len(self.instances):
+            raise ValueError(
+                f"min_healthy {self.min_healthy} is more than the {len(self.instances)} instances: "
+                "no publish could complete; set it to at most the instance count, or remove it"
+            )
+        return self
 
 
 class RegistrySection(_Section):
@@ -147,6 +183,12 @@ class CanarySection(_Section):
         None, description="base URL of the staging vLLM instance (--staging overrides)"
     )
     staging_api_key_env: str | None = Field(None, description="environment variable holding its API key")
+
+    @field_validator("staging_url")
+    @classmethod
+    def _staging_url(cls, v: str | None) -> str | None:
+        return None if v is None else http_base_url(v)
+
     staging_dir: Path | None = Field(
         None, description="where a registered version is unpacked for staging; default <state_dir>/canary"
     )

@@ -43,6 +43,40 @@ def test_unknown_key_and_bad_yaml(tmp_path):
         load_config(p)
 
 
+@pytest.mark.parametrize(
+    "fleet, says",
+    [
+        (
+            "{instances: [{name: a, url: 'http://127.0.0.1:1'}, {name: a, url: 'http://127.0.0.1:2'}]}",
+            "repeated: a",
+        ),
+        ("{instances: [{name: a, url: '127.0.0.1:8000'}]}", "http(s) base URL"),
+        ("{instances: [{name: a, url: 'http://127.0.0.1:99999'}]}", "out of range"),
+        ("{instances: [{name: a, url: 'http://'}]}", "http(s) base URL"),
+        ("{instances: [{name: '', url: 'http://h:1'}]}", "fleet.instances.0.name"),
+        ("{instances: [{name: 'a b/c', url: 'http://h:1'}]}", "fleet.instances.0.name"),
+        (
+            "{min_healthy: 3, instances: [{name: a, url: 'http://h:1'}, {name: b, url: 'http://h:2'}]}",
+            "min_healthy 3",
+        ),
+        ("{lock_timeout_s: -1}", "fleet.lock_timeout_s"),
+    ],
+)
+def test_fleet_instances_checked(tmp_path, fleet, says):
+    """New-user findings: instance URLs, duplicate names and min_healthy were taken as written."""
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(f"fleet: {fleet}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and says in str(e.value)
+
+
+def test_instance_url_trailing_slash_dropped(tmp_path):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("fleet: {min_healthy: 1, instances: [{name: a, url: 'http://10.0.0.5:8000/'}]}\n")
+    assert load_config(p).fleet.instances[0].url == "http://10.0.0.5:8000"
+
+
 def test_missing_explicit_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

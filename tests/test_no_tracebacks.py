@@ -88,6 +88,11 @@ def world(tmp_path_factory) -> World:
     broken_state = write_project_config(root / "broken-state")
     (root / "broken-state" / "volume").mkdir(parents=True)
     (root / "broken-state" / "volume" / "fleet-state.json").write_text("{not json")
+    # duplicate instance names, a URL without scheme, min_healthy > instances
+    bad_fleet = root / "bad-fleet.yaml"
+    bad_fleet.write_text(
+        "fleet: {min_healthy: 3, instances: [{name: a, url: '10.0.0.5:8000'}, {name: a, url: 'http://h:1'}]}\n"
+    )
     bad_cfg = root / "bad-config.yaml"
     bad_cfg.write_text("fleet: {max_lora_rank: 7, instances: nope}\nunknown_key: 1\n")
     binary_state = write_project_config(root / "binary-state")
@@ -101,6 +106,7 @@ def world(tmp_path_factory) -> World:
     w.envs = {
         "project": base,
         "bad-config": {**base, "PIPELINE_CONFIG": str(bad_cfg)},
+        "bad-fleet": {**base, "PIPELINE_CONFIG": str(bad_fleet)},
         "yaml-config": {**base, "PIPELINE_CONFIG": str(w.paths["yaml"])},
         "missing-config": {**base, "PIPELINE_CONFIG": str(w.paths["missing"])},
         "closed-port": {**base, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"},
@@ -161,6 +167,7 @@ def cases(w: World) -> list[Case]:
         add(Case(["status", n]))
     add(Case(["status", "ghost", "--json"]))
     add(Case(["ui", "--port", "-1"], env="file-store"))
+    add(Case(["ui", "--port", "99999"]))
     add(Case(["ui"], env="closed-port"))
     # canary
     for n in NAMES:
@@ -239,18 +246,23 @@ def cases(w: World) -> list[Case]:
     for f in ("missing", "devnull", "binary", "dir", "loop", "yaml"):
         add(Case(["dataset", "check", P[f]]))
     add(Case(["dataset", "check", P["empty"], "--validation", P["binary"], "--tokenizer", P["dir"]]))
+    add(Case(["dataset", "check", P["empty"], "--sequence-len", "-5"]))
     # config
-    for env in CONFIGS:
+    for env in CONFIGS + ["bad-fleet"]:
         add(Case(["config", "show"], env=env))
+    add(Case(["fleet", "status"], env="bad-fleet"))
+    add(Case(["publish", "agent", "--version", "1"], env="bad-fleet"))
     # demo / dev
     for n in NAMES:
         add(Case(["demo", "--name", n]))
     add(Case(["demo", "--config", P["missing"]], env="bad-config"))
-    add(Case(["dev", "real-base", "/proc/no-such-dir/x", "--layers", "1"]))
-    add(Case(["dev", "real-base", P["devnull"], "--layers", "1"]))
+    add(Case(["dev", "real-base", "/proc/no-such-dir/x", "--layers", "4"]))
+    add(Case(["dev", "real-base", P["devnull"], "--layers", "4"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--layers", "3"]))
     add(Case(["dev", "real-base", str(w.root / "rb"), "--layers", "0"]))
     add(Case(["dev", "real-base", str(w.root / "rb"), "--device", "bogus"]))
     add(Case(["dev", "real-base", str(w.root / "rb"), "--shard-gb", "0"]))
+    add(Case(["dev", "real-base", P["out-exists"], "--layers", "4", "--device", "cuda"]))  # CPU machine
     add(Case(["dev", "tiny-base", "/proc/no-such-dir/x"]))
     add(Case(["dev", "tiny-base", P["devnull"]]))
     add(Case(["dev", "tiny-base", str(w.root / "tb"), "--layout", "bogus"]))

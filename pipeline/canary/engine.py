@@ -17,7 +17,7 @@ from pipeline.canary.prompts import Prompt, canary_set, load_tokenizer
 from pipeline.canary.record import record
 from pipeline.canary.reference import Reference, trained_rank_copy
 from pipeline.canary.result import CanaryError, CanaryResult, EngineOutput, Speed, compare, judge, ratio
-from pipeline.config import Instance, ProjectConfig
+from pipeline.config import Instance, ProjectConfig, http_base_url
 from pipeline.errors import UsageError
 from pipeline.fleet.client import InstanceClient, InstanceError
 from pipeline.serving.vllm import fleet_applies
@@ -118,6 +118,10 @@ def staging_instance(cfg: ProjectConfig, url: str | None) -> Instance:
     url = url or cfg.canary.staging_url
     if not url:
         raise UsageError("no staging instance: pass --staging URL or set canary.staging_url in pipeline.yaml")
+    try:
+        url = http_base_url(url)
+    except ValueError as e:
+        raise UsageError(f"--staging: {e}") from None
     return Instance(name="staging", url=url, api_key_env=cfg.canary.staging_api_key_env)
 
 

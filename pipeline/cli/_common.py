@@ -90,7 +90,11 @@ def err(msg: str) -> None:
 def json_requested() -> bool:
     """Whether the running command was given `--json` (errors are then printed as JSON too)."""
     ctx = click.get_current_context(silent=True)
-    return bool(ctx and ctx.meta.get("pipeline.json"))
+    if ctx is None:
+        return False
+    # `--json` is remembered when parsed; an option parsed before it (a rejected `--name`) fails
+    # first, so the command line the group saw is asked too.
+    return bool(ctx.meta.get("pipeline.json") or "--json" in ctx.meta.get("pipeline.argv", ()))
 
 
 def _remember_json(ctx: click.Context, value: bool) -> bool:
@@ -195,7 +199,7 @@ class PipelineGroup(TyperGroup):
             raise
         except click.ClickException as e:
             # a parse error (bad value, missing option) before `--json` was read: JSON all the same
-            if "--json" in ctx.meta.get("pipeline.argv", ()) or json_requested():
+            if json_requested():
                 typer.echo(
                     json.dumps({"error": e.format_message(), "type": "UsageError", "exit_code": e.exit_code})
                 )

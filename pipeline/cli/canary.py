@@ -72,7 +72,7 @@ def canary(
     staging: Annotated[
         str | None, typer.Option(help="staging vLLM base URL (default: canary.staging_url)")
     ] = None,
-    version: Annotated[int | None, typer.Option(help="model version (registered adapter)")] = None,
+    version: Annotated[int | None, typer.Option(min=1, help="model version (registered adapter)")] = None,
     alias: Annotated[str | None, typer.Option(help="model alias (default: candidate)")] = None,
     base: Annotated[
         Path | None,

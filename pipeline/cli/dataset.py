@@ -20,7 +20,7 @@ def check(
     train: Annotated[list[Path], typer.Argument(help="training JSONL files")],
     validation: Annotated[list[Path], typer.Option("--validation", help="validation JSONL files")] = [],
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer dir for length checks")] = None,
-    sequence_len: Annotated[int | None, typer.Option(help="tokens")] = None,
+    sequence_len: Annotated[int | None, typer.Option(min=1, help="tokens")] = None,
     as_json: JsonOption = False,
 ):
     """Check chat JSONL datasets (schema, trainable turns, lengths, duplicates, overlap, fingerprint)."""

@@ -46,7 +46,7 @@ def real_base(
     layers: Annotated[
         int,
         typer.Option(
-            min=1,
+            min=4,
             help="decoder layers (3 linear-attention + 1 full-attention, repeated); 64 = the real model",
         ),
     ] = 64,

@@ -96,7 +96,9 @@ def resolve(
 @app.command("sync")
 def sync(
     watch: Annotated[bool, typer.Option("--watch", help="keep reconciling (sidecar / daemon)")] = False,
-    interval: Annotated[float, typer.Option("--interval", help="seconds between passes with --watch")] = 30.0,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.1, help="seconds between passes with --watch")
+    ] = 30.0,
     as_json: JsonOption = False,
     follow_alias: Annotated[
         str | None,
@@ -142,7 +144,7 @@ def sync(
 @app.command("prune")
 def prune(
     name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
-    keep: Annotated[int, typer.Option("--keep", help="newest version directories to keep")] = 2,
+    keep: Annotated[int, typer.Option("--keep", min=1, help="newest version directories to keep")] = 2,
     force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
 ):
     """Delete <volume>/<NAME>-v<K> directories beyond the newest --keep (never the desired version)."""

@@ -71,7 +71,7 @@ def run_cmd(
 @app.command("follow-alias")
 def follow_alias_cmd(
     alias: Annotated[str, typer.Argument(help="alias to follow")] = "production",
-    interval: Annotated[float, typer.Option(help="seconds between registry polls")] = 30.0,
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between registry polls")] = 30.0,
     once: Annotated[bool, typer.Option(help="poll once and exit")] = False,
     name: Annotated[
         list[str] | None,

@@ -46,14 +46,14 @@ def merge(
         str | None, typer.Option(help="registered model name to tag with the verdict", callback=adapter_name)
     ] = None,
     version: Annotated[
-        int | None, typer.Option(help="registered model version to tag with the verdict")
+        int | None, typer.Option(min=1, help="registered model version to tag with the verdict")
     ] = None,
     hash_files: Annotated[
         bool, typer.Option("--hash/--no-hash", help="sha256 of every output file in manifest.json")
     ] = True,
     progress: Annotated[bool, typer.Option(help="progress bar per shard (on a terminal)")] = True,
     threads: Annotated[
-        int, typer.Option(help="torch threads for the merge arithmetic (0: torch default)")
+        int, typer.Option(min=0, help="torch threads for the merge arithmetic (0: torch default)")
     ] = 1,
     as_json: JsonOption = False,
 ):

@@ -101,7 +101,7 @@ def _end_on_signals() -> None:
 
 @app.command()
 def ui(
-    port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: any free port)")] = 5000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port on 127.0.0.1 (0: any free port)")] = 5000,
     name: Annotated[str | None, typer.Option(help="model whose page URL to print")] = None,
 ):
     """Start the MLflow UI on 127.0.0.1 against the project's store.

@@ -19,7 +19,7 @@ app = typer.Typer()
 @app.command()
 def publish(
     name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
-    version: Annotated[int | None, typer.Option(help="model version")] = None,
+    version: Annotated[int | None, typer.Option(min=1, help="model version")] = None,
     alias: Annotated[str | None, typer.Option(help="model alias, e.g. candidate")] = None,
     as_json: JsonOption = False,
 ):
@@ -47,7 +47,7 @@ def publish(
 @app.command()
 def promote(
     name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
-    version: Annotated[int, typer.Argument(help="model version to ship")],
+    version: Annotated[int, typer.Argument(min=1, help="model version to ship")],
     as_json: JsonOption = False,
 ):
     """Move alias `production` to VERSION and publish it.
@@ -72,7 +72,7 @@ def promote(
 def rollback(
     name: Annotated[str, typer.Argument(help="adapter (registered model) name", callback=adapter_name)],
     to: Annotated[
-        int | None, typer.Option("--to", help="version (default: the previously desired one)")
+        int | None, typer.Option("--to", min=1, help="version (default: the previously desired one)")
     ] = None,
     as_json: JsonOption = False,
 ):

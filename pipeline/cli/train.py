@@ -34,7 +34,7 @@ def train(
     name: Annotated[
         str | None, typer.Option(help="adapter name (default: config file stem)", callback=adapter_name)
     ] = None,
-    gpus: Annotated[int, typer.Option(help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
     launcher: Annotated[
         Launcher | None, typer.Option(help="axolotl's launcher (default: python for 1 GPU, else accelerate)")
     ] = None,

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.dev.tinybase import build_tokenizer
+from pipeline.errors import UsageError
 
 # Qwen3.6-27B text geometry (docs/qwen3.6-27b.md; the model's public config.json).
 QWEN36_27B_TEXT = dict(
@@ -69,12 +70,15 @@ def real_config(layers: int = 64, text_overrides: dict | None = None, vision_ove
     """The `Qwen3_5Config` (VL wrapper) of Qwen3.6-27B with `layers` decoder layers.
 
     `text_overrides`/`vision_overrides` replace geometry fields (tests build a small model through
-    the same code). Raises ValueError when `layers` < 1.
+    the same code). Raises ValueError when `layers` < 4 (fewer have no full-attention layer, which
+    the MTP layer copies).
     """
     from transformers import Qwen3_5Config
 
-    if layers < 1:
-        raise ValueError(f"layers must be >= 1, got {layers}")
+    if layers < FULL_ATTENTION_INTERVAL:
+        raise ValueError(
+            f"layers must be >= {FULL_ATTENTION_INTERVAL} (3 linear-attention + 1 full-attention, repeated), got {layers}"
+        )
     text = {**QWEN36_27B_TEXT, "num_hidden_layers": layers, **(text_overrides or {})}
     text["layer_types"] = layer_types(text["num_hidden_layers"])
     vision = {"out_hidden_size": text["hidden_size"], **(vision_overrides or {})}
@@ -189,19 +193,46 @@ def build_real_base(
         threads: shards written in parallel.
         text_overrides / vision_overrides: geometry replacements (tests only).
 
-    Returns `out`. Raises ValueError for layers < 1 or shard_gb <= 0.
+    The checkpoint is written into `<out>.partial` next to `out` and moved into place only when
+    complete: a failed or interrupted build leaves `out` as it was.
+
+    Returns `out`. Raises ValueError for layers < 4 or shard_gb <= 0, UsageError for
+    `device="cuda"` without a visible CUDA GPU or an `out` that is a file (before anything is written).
     """
+    import torch
+
+    if shard_gb <= 0:
+        raise ValueError(f"shard_gb must be > 0, got {shard_gb}")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
+    cfg = real_config(layers, text_overrides, vision_overrides)
+    final = Path(out)
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise UsageError(
+            f"{final} exists and is not a directory: give a directory path to write the base into"
+        )
+    out = final.with_name(final.name + ".partial")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    try:
+        _write_real_base(out, cfg, device=device, seed=seed, shard_gb=shard_gb, threads=threads, echo=echo)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
+    echo(f"checkpoint in {final}")
+    return final
+
+
+def _write_real_base(out: Path, cfg, *, device: str, seed: int, shard_gb: float, threads: int, echo) -> None:
+    """Draw the weights of `cfg` on `device` and write shards, index, config and tokenizer into `out`."""
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
 
-    if shard_gb <= 0:
-        raise ValueError(f"shard_gb must be > 0, got {shard_gb}")
-    cfg = real_config(layers, text_overrides, vision_overrides)
-    out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     t0 = time.time()
     tok = build_tokenizer(out)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -243,5 +274,4 @@ def build_real_base(
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False).save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2))
-    echo(f"wrote {total / 1e9:.1f} GB in {n} shards to {out} in {time.time() - t0:.1f} s")
-    return out
+    echo(f"wrote {total / 1e9:.1f} GB in {n} shards in {time.time() - t0:.1f} s")

@@ -53,7 +53,7 @@ from pipeline.artifacts.volume import (
 )
 from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
-from pipeline.errors import CheckFailed, FleetError, UsageError
+from pipeline.errors import CheckFailed, FleetError, UsageError, VolumeError
 from pipeline.fleet.instances import InstanceReport
 from pipeline.fleet.preflight import preflight
 from pipeline.fleet.state import fleet_lock, load_state
@@ -176,6 +176,11 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
         why = origin_problem(read_manifest(target), origin, str(target)) if origin else None
         if why:
             raise PublishError(why)
+        try:  # debris goes with every successful publish, also one that copies nothing
+            clear_debris(volume / STAGING, volume)
+            clear_debris(Path(cfg.state_dir) / "tmp", volume)
+        except VolumeError:
+            pass  # a volume that cannot be written to still serves what is on it (rollback, promote)
         return target, False
 
     check_writable(volume)

@@ -282,14 +282,26 @@ def check_datasets(
                 if not isinstance(row, dict) or row.get(fm) is None:
                     report.findings.append(_error(where, f"expected an object with a {fm!r} list"))
                     continue
+                raw = row[fm]
+                if not isinstance(raw, list | str):
+                    report.findings.append(
+                        _error(where, f"{fm!r} must be a list of messages, got {type(raw).__name__}")
+                    )
+                    continue
                 try:
                     messages = read(row)
                 except json.JSONDecodeError as e:
-                    report.findings.append(
-                        _error(
-                            where, f"tool call arguments is not valid JSON ({e.msg})", id="dataset.tool_call"
+                    if isinstance(raw, str):  # axolotl reads a string field as JSON
+                        msg = f"{fm!r} is a string that is not a JSON list of messages ({e.msg}): write the list itself"
+                        report.findings.append(_error(where, msg))
+                    else:
+                        report.findings.append(
+                            _error(
+                                where,
+                                f"tool call arguments is not valid JSON ({e.msg})",
+                                id="dataset.tool_call",
+                            )
                         )
-                    )
                     continue
                 except KeyError as e:  # axolotl's own reading fails the same way (e.g. KeyError 'role')
                     report.findings.append(

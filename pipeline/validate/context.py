@@ -275,13 +275,23 @@ class Context(TemplateFacts):
 
     # -- manifest ---------------------------------------------------------------------------------------------------
     @cached_property
-    def manifest(self) -> dict | None:
+    def _manifest(self) -> tuple[dict | None, str | None]:
+        """(manifest, why it could not be read): (None, None) when there is none."""
         if (self.adapter_dir / MANIFEST) not in self.scan.files:  # never open a FIFO or follow a link
-            return None
+            return None, None
         try:
-            return read_manifest(self.adapter_dir)
-        except (FileNotFoundError, ValueError, OSError):
-            return None
+            return read_manifest(self.adapter_dir), None
+        except (FileNotFoundError, ValueError, OSError) as e:
+            return None, str(e)
+
+    @property
+    def manifest(self) -> dict | None:
+        return self._manifest[0]
+
+    @property
+    def manifest_problem(self) -> str | None:
+        """Why manifest.json could not be read (not JSON, wrong fields), or None."""
+        return self._manifest[1]
 
     @property
     def published(self) -> bool:
@@ -330,6 +340,13 @@ class Context(TemplateFacts):
                 out[name] = n
         return out
 
+    def configured_rank(self, m: ModuleEntry) -> int | None:
+        """`r` (or its rank_pattern entry) for `m`, or None when the config cannot say."""
+        try:
+            return self.typed_cfg.rank_for(m.peft_module)
+        except (Unavailable, TypeError, ValueError):
+            return None
+
     def scale(self, m: ModuleEntry) -> float:
         """The scale PEFT trained `m` with (rank_pattern/alpha_pattern honoured)."""
         try:
@@ -346,6 +363,8 @@ class Context(TemplateFacts):
                 continue
             if m.a.name in self.nonfinite or m.b.name in self.nonfinite:
                 continue
+            if self.configured_rank(m) is not None and self.configured_rank(m) < 1:
+                continue  # `r` <= 0: config.rank says so once; the scale (0) would call every module dead
             if (
                 m.a.dtype not in ALLOWED_DTYPES
                 or m.b.dtype not in ALLOWED_DTYPES

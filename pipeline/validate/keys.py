@@ -231,6 +231,8 @@ def rank(ctx):
     cfg = ctx.typed_cfg
     for m in ctx.live():
         want = cfg.rank_for(m.peft_module)
+        if want < 1:
+            continue  # no rank is right for `r` <= 0: config.rank reports the config once
         if m.rank is not None and m.rank != want:
             ctx.reject(m)
             yield Issue(

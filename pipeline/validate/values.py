@@ -104,7 +104,7 @@ def norm_outlier(ctx):
 )
 def size_band(ctx):
     cfg, base, header = ctx.typed_cfg, ctx.base, ctx.header
-    if not cfg.r:
+    if not cfg.r or cfg.r < 1:  # config.rank reports it; no size follows from it
         return
     dtypes = [t.dtype for t in header.values()]
     per = DTYPE_BYTES.get(max(set(dtypes), key=dtypes.count), 2) if dtypes else 2

@@ -129,3 +129,17 @@ def test_verdict_tolerance_from_the_base(figures, quantised, verdict, words):
         assert res.findings[0].id == check_id and text in res.problems[0]
     if quantised:
         assert res.tolerance["max_logprob_diff"] == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("url", ["not a url", "127.0.0.1:8000", "http://127.0.0.1:99999", "ftp://h/"])
+def test_staging_url_is_checked_before_any_request(url, tmp_path):
+    """New-user finding: `--staging "not a url"` waited ~12 s for connection errors, then exit 4."""
+    from pipeline.canary.engine import staging_instance
+    from pipeline.config import load_config
+    from pipeline.errors import UsageError
+    from tests.support.helpers import write_project_config
+
+    cfg = load_config(write_project_config(tmp_path))
+    with pytest.raises(UsageError, match="--staging: .*(http|range)"):
+        staging_instance(cfg, url)
+    assert staging_instance(cfg, "http://127.0.0.1:8000/").url == "http://127.0.0.1:8000"

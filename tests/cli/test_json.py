@@ -71,6 +71,8 @@ def test_register_publish_promote_rollback_json(registry_project, two_adapters, 
         (["publish", "x", "--version", "abc", "--json"], "not a valid integer"),  # click's parse error
         (["status", "--bogus", "--json"], "No such option"),
         (["rollback", "--json"], "Missing argument"),
+        (["register", ".", "--name", "../escape", "--json"], "adapter name"),  # callback before --json
+        (["train", "x.yml", "--gpus", "0", "--json"], "range"),
     ],
 )
 def test_parse_errors_are_json_too(args, says, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """`pipeline dev real-base`: the exact Qwen3.6-27B geometry, in the real checkpoint layout."""
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -13,6 +14,7 @@ from pipeline.dev.realbase import (
     real_config,
     text_parameter_count,
 )
+from pipeline.errors import UsageError
 
 # A small stand-in geometry for the file-writing tests (the 64-layer model is 54 GB); the real
 # geometry itself is checked through the config and the meta-device parameter count.
@@ -95,7 +97,37 @@ def test_bad_arguments(tmp_path):
 
     with pytest.raises(ValueError, match="layers"):
         real_config(0)
+    with pytest.raises(ValueError, match=">= 4"):  # new-user finding: --layers 1 ended in StopIteration
+        real_config(3)
+    with pytest.raises(UsageError, match="not a directory"):
+        build_real_base(Path("/dev/null"), 4)
     with pytest.raises(ValueError, match="shard_gb"):
         build_real_base(tmp_path / "x", 4, shard_gb=0)
     res = CliRunner().invoke(app, ["dev", "real-base", str(tmp_path / "y"), "--layers", "0"])
     assert res.exit_code == 2 and not (tmp_path / "y").exists()
+
+
+def test_cuda_without_gpu_and_a_failed_build_leave_out_as_it_was(tmp_path, monkeypatch):
+    """New-user finding: `--device cuda` on a CPU machine gave a traceback and a partial directory."""
+    import torch
+
+    from pipeline.dev import realbase
+    from pipeline.errors import UsageError
+
+    out = tmp_path / "base"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA GPU"):
+            build_real_base(out, 4, device="cuda")
+        assert (out / "keep.txt").read_text() == "old"
+
+    def boom(dst, *a, **k):
+        (dst / "model-00001-of-00002.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(realbase, "_write_real_base", boom)
+    with pytest.raises(OSError, match="No space"):
+        build_real_base(out, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]

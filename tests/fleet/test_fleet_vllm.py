@@ -14,6 +14,7 @@ gives (`chat-vN`).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -385,7 +386,7 @@ def test_prune_removes_old_versions_but_not_the_served_one(fleet, chat):
 
 
 # -- stale KV: the same prompt before and after a swap ---------------------------------------------
-LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 19)  # ~475 tokens
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."  # 25 tokens
 
 
 def prefix_hits(server) -> float:
@@ -395,10 +396,37 @@ def prefix_hits(server) -> float:
     )
 
 
+def hits_rose(server, before: float, wait_s: float = 5.0) -> bool:
+    """Whether the prefix-cache hit counter rose above `before` (the API server records an engine
+    step's stats after it answered: poll briefly)."""
+    deadline = time.monotonic() + wait_s
+    while prefix_hits(server) <= before:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def kv_block_size(server) -> int:
+    """The KV block size the engine chose (`vllm:cache_config_info`). For a hybrid model vLLM sizes
+    attention blocks so that one holds a Gated-DeltaNet state page (640 tokens for the tiny Qwen3.5
+    with a float32 SSM cache): only whole blocks are prefix-cached, so a shorter prompt never hits."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    return int(re.search(r'[{,]block_size="(\d+)"', line).group(1))
+
+
 @pytest.fixture(scope="module")
-def fresh_v2(fleet) -> dict:
+def long_prompt(fleet) -> str:
+    """A prompt of more than one KV block (and under --max-model-len), so a repeat hits the prefix cache."""
+    block = kv_block_size(fleet.servers["a"])
+    return " ".join([SENTENCE] * (block // 25 + 4))
+
+
+@pytest.fixture(scope="module")
+def fresh_v2(fleet, long_prompt) -> dict:
     """The reference per instance: v2's weights under a name and path never used before (no cached
-    KV can match), answering LONG."""
+    KV can match), answering long_prompt."""
     import shutil
 
     ref = fleet.root / "swap-reference-v2"
@@ -410,11 +438,11 @@ def fresh_v2(fleet) -> dict:
             json={"lora_name": "swap-reference", "lora_path": str(ref)},
             timeout=60,
         ).raise_for_status()
-        out[s.name] = complete(s, "swap-reference", LONG)
+        out[s.name] = complete(s, "swap-reference", long_prompt)
     return out
 
 
-def test_naive_in_place_swap_serves_stale_kv(fleet, fresh_v2):
+def test_naive_in_place_swap_serves_stale_kv(fleet, fresh_v2, long_prompt):
     """The defect the swap strategy exists for, reproduced on the real server: a stable name
     re-pointed in place while its prefix-cache key stays the same (on 0.19-0.25 the key is the name
     alone; on this 0.32 build it is name+path, so the same path stands in for it) answers a cached
@@ -427,8 +455,10 @@ def test_naive_in_place_swap_serves_stale_kv(fleet, fresh_v2):
     httpx.post(
         f"{a.url}/v1/load_lora_adapter", json={"lora_name": "naive", "lora_path": str(d)}, timeout=60
     ).raise_for_status()
-    v1_out = complete(a, "naive", LONG)
-    assert complete(a, "naive", LONG) == v1_out  # second time from the prefix cache
+    v1_out = complete(a, "naive", long_prompt)
+    before = prefix_hits(a)
+    assert complete(a, "naive", long_prompt) == v1_out  # second time from the prefix cache
+    assert hits_rose(a, before), f"no prefix-cache hit (KV block {kv_block_size(a)} tokens)"
     for f in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy(fleet.root / "src-swap-22" / f, d / f)
     httpx.post(
@@ -437,27 +467,29 @@ def test_naive_in_place_swap_serves_stale_kv(fleet, fresh_v2):
         timeout=60,
     ).raise_for_status()
     hits = prefix_hits(a)
-    after = complete(a, "naive", LONG)
-    assert prefix_hits(a) > hits  # the old KV was reused ...
+    after = complete(a, "naive", long_prompt)
+    assert hits_rose(a, hits)  # the old KV was reused ...
     assert fresh_v2["a"] != v1_out
     assert after != fresh_v2["a"]  # ... so the answer does not reflect the new weights
 
 
-def test_versioned_swap_answers_with_the_new_weights(fleet, fresh_v2):
+def test_versioned_swap_answers_with_the_new_weights(fleet, fresh_v2, long_prompt):
     """The pipeline's strategy: same prompt, two versions, same stable name `swap` (resolved by the
     client): after the publish the answer equals v2's on a cold cache, on both instances."""
     s1, s2 = fleet.swap
     assert publish(s1, "swap").exit_code == 0
     for s in fleet.servers.values():
         name = resolved(fleet, "swap")
-        complete(s, name, LONG)
-        complete(s, name, LONG)  # warm the prefix cache with v1's KV
+        complete(s, name, long_prompt)
+        hits = prefix_hits(s)
+        complete(s, name, long_prompt)  # warm the prefix cache with v1's KV
+        assert hits_rose(s, hits)  # the cache does hit: a stale answer below would show
     res = publish(s2, "swap")
     assert res.exit_code == 0, res.output
     name = resolved(fleet, "swap")
     assert name == f"swap-v{s2}"
     for s in fleet.servers.values():
-        assert complete(s, name, LONG) == fresh_v2[s.name]
+        assert complete(s, name, long_prompt) == fresh_v2[s.name]
 
 
 # -- the release transaction on the same instances (issue 16 sections 1 and 4) ----------------------

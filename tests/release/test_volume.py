@@ -129,6 +129,23 @@ def test_killed_publish_debris_is_removed_by_the_next_publish_of_any_adapter(tmp
     }
 
 
+def test_debris_goes_with_a_publish_that_copies_nothing(tmp_path, release_adapters):
+    """Sibling (new-user helper): only a publish that copied cleared debris; promote/rollback and a
+    re-publish of a version already on the volume left it."""
+    cfg = new_project(tmp_path / "p")
+    register_versions(cfg, "calm", release_adapters, 2)
+    publish(cfg, "calm", version=1)
+    publish(cfg, "calm", version=2)
+    stale = cfg.volume.path / ".staging" / "killed" / "calm-v9.x"  # what a killed publish of `killed` leaves
+    stale.mkdir(parents=True)
+    (stale / "adapter_model.safetensors").write_bytes(b"half a copy")
+    (cfg.state_dir / "tmp").mkdir(exist_ok=True)
+    (cfg.state_dir / "tmp" / "killed-v9.abc").mkdir()
+    res = publish(cfg, "calm", version=1)  # v1 is on the volume already: nothing copied
+    assert not res.created
+    assert not stale.exists() and not list((cfg.state_dir / "tmp").iterdir())
+
+
 def test_debris_clean_up_never_touches_a_live_publish(tmp_path, release_adapters):
     cfg = new_project(tmp_path / "p")
     register_versions(cfg, "live", release_adapters, 1)

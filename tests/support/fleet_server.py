@@ -33,7 +33,7 @@ SERVE_ARGS = [
     "--dtype",
     "bfloat16",
     "--max-model-len",
-    "512",
+    "2048",
     "--max-num-seqs",
     "1",
     "--enforce-eager",

@@ -36,6 +36,9 @@ def test_fingerprint_changes_with_any_byte(tmp_path):
     [
         ('{"messages": [', "invalid JSON"),
         ({"msgs": []}, "expected an object with a 'messages' list"),
+        # new-user finding: a string here was reported as a tool-call error
+        ({"messages": "nope"}, "'messages' is a string that is not a JSON list"),
+        ({"messages": 7}, "'messages' must be a list of messages, got int"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no trainable turn"),
         (

@@ -328,3 +328,28 @@ def test_a_failing_rule_is_a_finding_not_a_traceback(adapter, tiny_vl_base, monk
     c = only(rep, "keys.conv1d")
     assert c.severity == "error" and "TypeError: boom" in c.message and "please report it" in c.message
     assert "served.unchecked" in ids(rep)
+
+
+@pytest.mark.parametrize(
+    "manifest, says",
+    [
+        ("[1, 2", "not valid JSON"),
+        ('{"files": {}, "base_model": {"id": "Qwen/Qwen3.6-27B"}}', "'Qwen/Qwen3.6-27B' is not a local"),
+    ],
+)
+def test_no_base_says_why_the_manifest_gave_none(adapter, manifest, says):
+    """New-user finding: a corrupt manifest read as "no base" with no hint of the manifest."""
+    (adapter / "manifest.json").write_text(manifest)
+    rep = validate_adapter(adapter, None, require_base=True)
+    f = only(rep, "base.missing")
+    assert "pass --base" in f.message and says in f.message, f.message
+
+
+@pytest.mark.parametrize("r", [-4, 0])
+def test_a_non_positive_r_is_one_finding(adapter, tiny_vl_base, r):
+    """New-user finding: `"r": -4` gave 37 errors (every module's rank, "untrained", the size band);
+    the config is what is wrong, said once."""
+    edit_config(adapter, r=r)
+    rep = validate_adapter(adapter, tiny_vl_base)
+    errors = [c for c in rep.checks if c.severity == "error"]
+    assert [c.id for c in errors] == ["config.rank"], [(c.id, c.message) for c in errors]
