@@ -36,7 +36,11 @@ EMBEDDED_DB = "mlflow.db"
 
 
 class _Section(BaseModel):
-    model_config = {"extra": "forbid"}
+    # NaN and infinity are never a setting (an infinite timeout overflowed the clock: a traceback)
+    model_config = {"extra": "forbid", "allow_inf_nan": False}
+
+
+DAY_S = 86400.0  # upper bound of every timeout and wait, seconds
 
 
 class BaseModelSection(_Section):
@@ -61,17 +65,30 @@ class ServedSection(_Section):
 
 
 def http_base_url(v: str) -> str:
-    """`v` without a trailing slash if it is an http(s) URL with a host and a valid port.
+    """`v` without a trailing slash if it is an http(s) URL with a host, a valid port (not 0), no white
+    space, query, fragment or credentials (a path prefix, e.g. behind a gateway, is kept).
 
     Raises ValueError saying what is wrong (pydantic reports it with the field's location).
     """
+    example = "like http://10.0.0.5:8000"
+    if v != v.strip() or any(c.isspace() for c in v):
+        raise ValueError(f"{v!r} holds white space: write the base URL {example}")
     parts = urlsplit(v)
     try:
-        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+        port = parts.port
     except ValueError as e:
         raise ValueError(f"{v!r}: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{v!r} is not an http(s) base URL like http://10.0.0.5:8000")
+        raise ValueError(f"{v!r} is not an http(s) base URL {example}")
+    if port == 0:
+        raise ValueError(f"{v!r}: port 0 is not a server's port")
+    if parts.query or parts.fragment or "?" in v or "#" in v:
+        raise ValueError(f"{v!r}: a base URL has no query or fragment ({example})")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"{urlsplit(v)._replace(netloc='***@' + (parts.hostname or '')).geturl()!r}: credentials in a URL are "
+            "printed by status commands; put the API key in an environment variable named by api_key_env"
+        )
     return v.rstrip("/")
 
 
@@ -103,12 +120,15 @@ class FleetSection(_Section):
     keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")
     instances: list[Instance] = Field(default_factory=list)
     timeout_s: float = Field(
-        30.0, gt=0, description="read timeout of a request (status, verify, canary), seconds"
+        30.0, gt=0, le=DAY_S, description="read timeout of a request (status, verify, canary), seconds"
     )
-    connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout per request, seconds")
+    connect_timeout_s: float = Field(
+        5.0, gt=0, le=DAY_S, description="TCP connect timeout per request, seconds"
+    )
     load_timeout_s: float = Field(
         120.0,
         gt=0,
+        le=DAY_S,
         description="read timeout of load/unload requests (the CPU engine can take minutes), seconds",
     )
     min_healthy: int | None = Field(
@@ -125,7 +145,9 @@ class FleetSection(_Section):
         "Hello, the weather in Tokyo is", description="prompt of the post-switch canary"
     )
     canary_max_tokens: int = Field(8, ge=1, description="greedy tokens the canary compares with the base")
-    lock_timeout_s: float = Field(300.0, ge=0, description="wait for another fleet operation's lock, seconds")
+    lock_timeout_s: float = Field(
+        300.0, ge=0, le=DAY_S, description="wait for another fleet operation's lock, seconds"
+    )
 
     @field_validator("max_lora_rank")
     @classmethod
@@ -140,6 +162,10 @@ class FleetSection(_Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"instance names must be unique; repeated: {', '.join(dup)}")
+        urls = [i.url for i in self.instances]
+        dup = sorted({u for u in urls if urls.count(u) > 1})
+        if dup:
+            raise ValueError(f"two instances with one URL would be switched twice: {', '.join(dup)}")
         if self.instances and self.min_healthy is not None and self.min_healthy > len(self.instances):
             raise ValueError(
                 f"min_healthy {self.min_healthy} is more than the {len(self.instances)} instances: "
@@ -157,7 +183,10 @@ class RegistrySection(_Section):
         description="artifact store for the experiment, e.g. s3://bucket/prefix; default <state_dir>/mlartifacts",
     )
     connect_timeout_s: float = Field(
-        5.0, gt=0, description="seconds to reach the store (connect, /health, a locked sqlite) before failing"
+        5.0,
+        gt=0,
+        le=DAY_S,
+        description="seconds to reach the store (connect, /health, a locked sqlite) before failing",
     )
 
 
@@ -167,7 +196,9 @@ class VolumeSection(_Section):
 
 class TrainSection(_Section):
     runs_dir: Path = Path("adapters/runs")
-    peak_tflops: float | None = Field(None, description="per-GPU bf16 peak for MFU; default by GPU name")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="per-GPU bf16 peak for MFU; default by GPU name"
+    )
 
 
 class RunSection(_Section):
@@ -229,7 +260,9 @@ class CanarySection(_Section):
     required: bool = Field(
         False, description="publish refuses a version without a passing canary for its weights"
     )
-    timeout_s: float = Field(120.0, description="per-request HTTP timeout to the staging instance, seconds")
+    timeout_s: float = Field(
+        120.0, gt=0, le=DAY_S, description="per-request HTTP timeout to the staging instance, seconds"
+    )
 
 
 class ProjectConfig(BaseSettings):

@@ -196,6 +196,11 @@ def cases(w: World) -> list[Case]:
         )
     )
     add(Case(["merge", P["dir"], "--base", P["dir"], "--out", str(w.root / "m3"), "--name", "agent"]))
+    add(
+        Case(
+            ["merge", P["dir"], "--base", P["dir"], "--out", str(w.root / "m4"), "--threads", "100000000000"]
+        )
+    )
     # run / follow-alias
     for n in NAMES:
         add(Case(["run", tiny, "--name", n]))
@@ -205,10 +210,14 @@ def cases(w: World) -> list[Case]:
         add(Case(["follow-alias", "--once", "--name", n]))
     add(Case(["follow-alias", "production", "--once", "--interval", "0"]))
     add(Case(["follow-alias", "--webhook-port", "1", "--once"]))
+    add(Case(["follow-alias", "--webhook-port", "99999", "--once"]))
+    add(Case(["follow-alias", "--once", "--interval", "nan"]))
     # fleet
     add(Case(["fleet", "status"], env="broken-state"))
     add(Case(["fleet", "sync"], env="broken-state"))
     add(Case(["fleet", "sync", "--interval", "-1", "--follow-alias", "production"], env="closed-port"))
+    add(Case(["fleet", "sync", "--watch", "--interval", "nan"]))
+    add(Case(["fleet", "sync", "--watch", "--interval", "inf", "--json"]))
     for n in NAMES:
         add(Case(["fleet", "prune", n]))
     add(Case(["fleet", "prune", "ghost", "--keep", "0"]))
@@ -264,6 +273,12 @@ def cases(w: World) -> list[Case]:
     add(Case(["dev", "real-base", str(w.root / "rb"), "--shard-gb", "0"]))
     add(Case(["dev", "real-base", P["out-exists"], "--layers", "4", "--device", "cuda"]))  # CPU machine
     add(Case(["dev", "tiny-base", "/proc/no-such-dir/x"]))
+    add(Case(["dev", "tiny-base", ""]))  # helper-7: removed every file in the working directory
+    add(Case(["dev", "tiny-base", "."]))
+    add(Case(["dev", "tiny-base", P["bad-adapter"]]))  # a directory that is no checkpoint
+    add(Case(["dev", "tiny-base", str(w.root / "tb2"), "--seed", "99999999999999999999999"]))
+    add(Case(["dev", "real-base", ".", "--layers", "4"]))
+    add(Case(["dev", "real-base", str(w.root / "rb"), "--shard-gb", "nan"]))
     add(Case(["dev", "tiny-base", P["devnull"]]))
     add(Case(["dev", "tiny-base", str(w.root / "tb"), "--layout", "bogus"]))
     # every registry and volume command against broken stores, project configs and volumes

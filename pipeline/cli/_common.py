@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Annotated
 
 import click
@@ -63,6 +64,13 @@ def as_pipeline_error(exc: BaseException) -> PipelineError | None:
 
         err = os_failure(exc, "filesystem error", exc.filename or "")
     return err
+
+
+def finite(value):
+    """Typer callback: a float option is a finite number (click's FloatRange lets NaN and inf through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def adapter_name(value):

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, log, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, log, project_config
 from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.tinybase import build_tiny_base
@@ -28,7 +28,7 @@ def tiny_base(
     layout: Annotated[
         Layout, typer.Option(help="text (Qwen3_5ForCausalLM) or vl (real checkpoint layout + mtp.*)")
     ] = Layout.text,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="random seed")] = 0,
 ):
     """Build a tiny random-weight Qwen3.5 base with a local tokenizer and chat template."""
     build_tiny_base(out, layout=layout.value, seed=seed)
@@ -52,9 +52,9 @@ def real_base(
     ] = 64,
     device: Annotated[Device, typer.Option(help="where to draw the random weights")] = Device.cpu,
     shard_gb: Annotated[
-        float, typer.Option(min=0.001, help="target shard size, GB (1e9 bytes)")
+        float, typer.Option(min=0.001, callback=finite, help="target shard size, GB (1e9 bytes)")
     ] = DEFAULT_SHARD_GB,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="random seed")] = 0,
 ):
     """Build a random-weight bf16 base with the exact Qwen3.6-27B geometry in the real checkpoint layout.
 

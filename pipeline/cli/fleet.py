@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, exit_as, finite, project_config
 from pipeline.errors import FleetError, LockedError
 from pipeline.fleet.modes import loading_mode, resolve_served_name
 from pipeline.fleet.reconcile import CONVERGED
@@ -97,7 +97,8 @@ def resolve(
 def sync(
     watch: Annotated[bool, typer.Option("--watch", help="keep reconciling (sidecar / daemon)")] = False,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.1, help="seconds between passes with --watch")
+        float,
+        typer.Option("--interval", min=0.1, callback=finite, help="seconds between passes with --watch"),
     ] = 30.0,
     as_json: JsonOption = False,
     follow_alias: Annotated[

@@ -11,7 +11,15 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import adapter_name, as_pipeline_error, err, exit_code_for, log, project_config
+from pipeline.cli._common import (
+    adapter_name,
+    as_pipeline_error,
+    err,
+    exit_code_for,
+    finite,
+    log,
+    project_config,
+)
 from pipeline.errors import GateFailed, UsageError
 from pipeline.jobs.follow import WebhookReceiver, follow_alias
 from pipeline.jobs.run import run
@@ -71,14 +79,16 @@ def run_cmd(
 @app.command("follow-alias")
 def follow_alias_cmd(
     alias: Annotated[str, typer.Argument(help="alias to follow")] = "production",
-    interval: Annotated[float, typer.Option(min=0.1, help="seconds between registry polls")] = 30.0,
+    interval: Annotated[
+        float, typer.Option(min=0.1, callback=finite, help="seconds between registry polls")
+    ] = 30.0,
     once: Annotated[bool, typer.Option(help="poll once and exit")] = False,
     name: Annotated[
         list[str] | None,
         typer.Option("--name", help="models to follow (default: all)", callback=adapter_name),
     ] = None,
     webhook_port: Annotated[
-        int | None, typer.Option(help="also take MLflow webhooks on 127.0.0.1:PORT")
+        int | None, typer.Option(min=0, max=65535, help="also take MLflow webhooks on 127.0.0.1:PORT")
     ] = None,
     webhook_host: Annotated[str, typer.Option(help="webhook listen address")] = "127.0.0.1",
     webhook_secret_env: Annotated[

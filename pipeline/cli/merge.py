@@ -53,7 +53,7 @@ def merge(
     ] = True,
     progress: Annotated[bool, typer.Option(help="progress bar per shard (on a terminal)")] = True,
     threads: Annotated[
-        int, typer.Option(min=0, help="torch threads for the merge arithmetic (0: torch default)")
+        int, typer.Option(min=0, max=1024, help="torch threads for the merge arithmetic (0: torch default)")
     ] = 1,
     as_json: JsonOption = False,
 ):

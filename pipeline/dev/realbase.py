@@ -27,11 +27,12 @@ transformers' defaults. Cost per token depends on none of these.
 from __future__ import annotations
 
 import json
-import shutil
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pipeline.dev.output import write_whole
 from pipeline.dev.tinybase import build_tokenizer
 from pipeline.errors import UsageError
 
@@ -193,38 +194,26 @@ def build_real_base(
         threads: shards written in parallel.
         text_overrides / vision_overrides: geometry replacements (tests only).
 
-    The checkpoint is written into `<out>.partial` next to `out` and moved into place only when
-    complete: a failed or interrupted build leaves `out` as it was.
+    `out` is checked and written whole as `pipeline.dev.output.write_whole` says (a non-empty
+    directory that is no checkpoint, or the working directory, is refused; a failed build leaves
+    `out` as it was).
 
-    Returns `out`. Raises ValueError for layers < 4 or shard_gb <= 0, UsageError for
-    `device="cuda"` without a visible CUDA GPU or an `out` that is a file (before anything is written).
+    Returns `out`. Raises ValueError for layers < 4 or shard_gb <= 0 (or not finite), UsageError for
+    `device="cuda"` without a visible CUDA GPU or an `out` that may not be written (before anything is written).
     """
     import torch
 
-    if shard_gb <= 0:
-        raise ValueError(f"shard_gb must be > 0, got {shard_gb}")
+    if not math.isfinite(shard_gb) or shard_gb <= 0:
+        raise ValueError(f"shard_gb must be a finite number > 0, got {shard_gb}")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
     cfg = real_config(layers, text_overrides, vision_overrides)
-    final = Path(out)
-    if final.is_symlink() or (final.exists() and not final.is_dir()):
-        raise UsageError(
-            f"{final} exists and is not a directory: give a directory path to write the base into"
+    with write_whole(out) as partial:
+        _write_real_base(
+            partial, cfg, device=device, seed=seed, shard_gb=shard_gb, threads=threads, echo=echo
         )
-    out = final.with_name(final.name + ".partial")
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    try:
-        _write_real_base(out, cfg, device=device, seed=seed, shard_gb=shard_gb, threads=threads, echo=echo)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    out.rename(final)
-    echo(f"checkpoint in {final}")
-    return final
+    echo(f"checkpoint in {out}")
+    return Path(out)
 
 
 def _write_real_base(out: Path, cfg, *, device: str, seed: int, shard_gb: float, threads: int, echo) -> None:

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.artifacts.checkpoint import TEXT_PREFIXES
+from pipeline.dev.output import write_whole
 
 TINY_TEXT_CONFIG = dict(
     hidden_size=128,
@@ -105,23 +106,27 @@ def build_tiny_base(out: Path, layout: str = "text", seed: int = 0, dataset_dir:
     """Write a tiny random-weight Qwen3.5 base (config, bf16 safetensors, tokenizer) to `out`.
 
     Args:
-        out: directory to create (replaced if it exists).
+        out: directory to create; an existing one is replaced only if empty or a checkpoint, and
+            the base is written whole (`pipeline.dev.output.write_whole`).
         layout: ``text`` (Qwen3_5ForCausalLM, one shard) or ``vl`` (real checkpoint key layout,
             3 shards with index, `mtp.*` and `model.visual.*` tensors).
         seed: torch seed; the same seed gives byte-identical weights.
         dataset_dir: JSONL files to train the tokenizer on (default: the repo's `datasets/`).
 
-    Returns: `out`. Raises ValueError for an unknown layout.
+    Returns: `out`. Raises ValueError for an unknown layout, UsageError for an `out` that may not
+    be written.
     """
+    if layout not in ("text", "vl"):
+        raise ValueError(f"unknown layout {layout!r}: use 'text' or 'vl'")
+    with write_whole(out) as partial:
+        _write_tiny_base(partial, layout, seed, dataset_dir)
+    return Path(out)
+
+
+def _write_tiny_base(out: Path, layout: str, seed: int, dataset_dir: Path | None) -> None:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    if layout not in ("text", "vl"):
-        raise ValueError(f"unknown layout {layout!r}: use 'text' or 'vl'")
-    out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     if dataset_dir is None:
         dataset_dir = Path(__file__).resolve().parents[2] / "datasets"
     tok = build_tokenizer(out, dataset_dir)
@@ -140,9 +145,8 @@ def build_tiny_base(out: Path, layout: str = "text", seed: int = 0, dataset_dir:
     model.generation_config.pad_token_id = cfg.pad_token_id
     if layout == "text":
         model.save_pretrained(out)
-        return out
+        return
     _write_vl_layout(out, model, seed)
-    return out
 
 
 def _write_vl_layout(out: Path, model, seed: int) -> None:

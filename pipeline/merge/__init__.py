@@ -111,9 +111,9 @@ def merge_adapter(
     import torch
 
     threads_before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
     try:
+        if threads:
+            torch.set_num_threads(threads)  # inside: a refused count must not leave `partial` behind
         side = copy_side_files(base_dir, partial)
         hashes: dict[str, object] = {}
         with ThreadPoolExecutor(max_workers=1) as pool, progress_bar(progress) as bar:

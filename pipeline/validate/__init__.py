@@ -22,6 +22,7 @@ from pipeline.artifacts.manifest import read_manifest
 from pipeline.validate.context import Context, Options
 from pipeline.validate.registry import REGISTRY, Unavailable, rules_version, run
 from pipeline.validate.report import REPORT_FILE, FleetRules, ValidationReport
+from pipeline.validate.template import check_training_config
 
 # The modules whose checks are registered by importing them (registration order = run order within an area).
 CHECK_MODULES = tuple(
@@ -131,8 +132,13 @@ def validate_adapter(
             `config.rslora_parity` and nothing written if any module's scale would change).
         allow: check ids whose refusal is overridden (`serving.version_unknown`).
         require_base: no base is an error (`base.missing`).
+
+    Raises UsageError only for a wrong option: a `training_config` given that is missing, not YAML
+    or not a mapping.
     """
     adapter_dir = Path(adapter_dir)
+    if training_config is not None:
+        check_training_config(training_config)
     rules = rules or FleetRules()
     served_dir = served_dir or rules.served_path
     rep = ValidationReport(

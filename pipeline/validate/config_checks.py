@@ -131,6 +131,28 @@ def bad_regex(ctx):
         yield Issue(f"{p.message}: peft and vLLM match it as a regex; escape it", ctx.where_config)
 
 
+@check(
+    "config.alpha_negative",
+    "error",
+    "`lora_alpha` or an `alpha_pattern` value is negative (the update's sign flips; PEFT and vLLM apply it silently)",
+    scopes=BOTH,
+)
+def alpha_negative(ctx):
+    lv = ctx.lora
+    patterns = lv.get("alpha_pattern")
+    alphas = {lv.name("lora_alpha"): lv.get("lora_alpha")} | {
+        f"{lv.name('alpha_pattern')}[{k}]": v
+        for k, v in (patterns if isinstance(patterns, dict) else {}).items()
+    }
+    for what, a in alphas.items():
+        if isinstance(a, int | float) and not isinstance(a, bool) and a < 0:
+            yield Issue(
+                f"{what} = {a!r} is negative: scale = alpha/r < 0 subtracts the trained update; training "
+                "never needs this (a typo or a wrong sign in the config): set the positive value",
+                lv.source,
+            )
+
+
 # -- what vLLM refuses (peft_helper.py) -------------------------------------------------------------------------
 @check(
     "config.peft_type",
@@ -164,8 +186,9 @@ def required(ctx):
                     f"no {lv.name(key)} (and no lora_target_linear): list the projections to adapt", lv.source
                 )
             else:
+                state = "is missing" if lv.get(key) is None else f"is empty ({lv.get(key)!r})"
                 yield Issue(
-                    f"{lv.name(key)} is missing; vLLM requires r, lora_alpha and target_modules: "
+                    f"{lv.name(key)} {state}; vLLM requires r, lora_alpha and target_modules: "
                     + ("set it" if lv.kind == "train" else "re-save the adapter with peft"),
                     lv.source,
                 )
@@ -332,11 +355,21 @@ def _peft_names(base) -> list[str]:
 def target_absent(ctx):
     lv, base = ctx.lora, ctx.base
     names = _peft_names(base)
-    for entry, hits in matching_entries({"target_modules": lv.get("target_modules")}, names).items():
+    targets = lv.get("target_modules")
+    if targets in (None, [], ""):
+        return  # config.required says so
+    for entry, hits in matching_entries({"target_modules": targets}, names).items():
         if not hits:
+            if isinstance(targets, str):  # PEFT: a string is one regex, fully matched against the whole name
+                fix = (
+                    "a string is a regular expression PEFT matches against the full module name "
+                    f"(e.g. '.*\\.{entry}'), while a list ['{entry}'] matches name suffixes"
+                )
+            else:
+                fix = "use the base's names (e.g. q_proj, in_proj_qkv, in_proj_z, out_proj, down_proj)"
             yield Issue(
                 f"{lv.name('target_modules')} entry {entry!r} matches no module of the base {base.path}: PEFT would "
-                "refuse or skip it; use the base's names (e.g. q_proj, in_proj_qkv, in_proj_z, out_proj, down_proj)",
+                f"refuse or skip it; {fix}",
                 lv.source,
             )
 

@@ -395,7 +395,7 @@ class Context(TemplateFacts):
         return str(self.options.training_config or self.adapter_dir)
 
     def _training_side(self):
-        side = template.training_side(self.adapter_dir, self.options.training_config)
+        side = template.training_side(self.adapter_dir, self.options.training_config, self.base_dir)
         return side, None, self.training_where
 
     def _added_tokens(self):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.serving.modules import runtime_target, served_key_prefix
 from pipeline.serving.vllm import EMBEDDING_MODULES, fleet_applies
-from pipeline.validate.registry import Issue, Unavailable, check
+from pipeline.validate.registry import Issue, Unavailable, check, grouped
 
 
 def ranges(xs) -> str:
@@ -49,13 +49,15 @@ def unknown(ctx):
     "a LoRA tensor name vLLM's parser refuses (`lora_A.default.weight`, `lora_A` without `.weight`...)",
 )
 def grammar(ctx):
-    for name, why in ctx.malformed_tensors.items():
-        if "bias" not in why:
-            yield Issue(
-                f"{why}: vLLM refuses to load the adapter (HTTP 500); re-save it with peft's save_pretrained, which "
-                "writes `<module>.lora_A.weight`",
-                f"{ctx.wfile}:{name}",
-            )
+    yield from grouped(
+        Issue(
+            f"{why}: vLLM refuses to load the adapter (HTTP 500); re-save it with peft's save_pretrained, which "
+            "writes `<module>.lora_A.weight`",
+            f"{ctx.wfile}:{name}",
+        )
+        for name, why in ctx.malformed_tensors.items()
+        if "bias" not in why
+    )
 
 
 @check(
@@ -156,13 +158,16 @@ def conv1d(ctx):
 @check("keys.layer", "error", "a layer index >= the base's layer count")
 def layer(ctx):
     n = ctx.base.num_layers
-    for m in ctx.live():
-        if m.layer is not None and m.layer >= n:
-            ctx.reject(m)
-            yield Issue(
-                f"layer {m.layer} >= the base's {n} layers: the adapter is for another base; retrain on this one",
-                _where(ctx, m),
-            )
+    beyond = [m for m in ctx.live() if m.layer is not None and m.layer >= n]
+    for m in beyond:
+        ctx.reject(m)
+    if beyond:
+        layers = sorted({m.layer for m in beyond})
+        yield Issue(
+            f"layer{'s' if len(layers) > 1 else ''} {ranges(layers)} >= the base's {n} layers ({len(beyond)} "
+            "modules): the adapter is for another base; retrain on this one",
+            _where(ctx, beyond[0]),
+        )
 
 
 @check(
@@ -229,17 +234,21 @@ def shape(ctx):
 )
 def rank(ctx):
     cfg = ctx.typed_cfg
+    found = []
     for m in ctx.live():
         want = cfg.rank_for(m.peft_module)
         if want < 1:
             continue  # no rank is right for `r` <= 0: config.rank reports the config once
         if m.rank is not None and m.rank != want:
             ctx.reject(m)
-            yield Issue(
-                f"tensor rank {m.rank} != configured r {want} (rank_pattern honoured): vLLM would serve it with the "
-                "wrong scale; set r (or rank_pattern) in adapter_config.json to the tensors' rank",
-                _where(ctx, m),
+            found.append(
+                Issue(
+                    f"tensor rank {m.rank} != configured r {want} (rank_pattern honoured): vLLM would serve it with "
+                    "the wrong scale; set r (or rank_pattern) in adapter_config.json to the tensors' rank",
+                    _where(ctx, m),
+                )
             )
+    yield from grouped(found, "modules")
 
 
 @check(
@@ -336,10 +345,13 @@ def _expected(ctx) -> dict[str, set[int]]:
     return out
 
 
-def _present(ctx) -> dict[str, set[int]]:
+def _present(ctx, *, rejected_too: bool = False) -> dict[str, set[int]]:
+    """{sub: layers} with tensors; `rejected_too` counts modules another keys check refused (their
+    tensors exist: that check already says what is wrong with them, so coverage must not say it again)."""
     out: dict[str, set[int]] = {}
-    for m in ctx.live():
-        out.setdefault(m.sub, set()).add(m.layer)
+    for m in ctx.modules if rejected_too else ctx.live():
+        if m.sub is not None:
+            out.setdefault(m.sub, set()).add(m.layer)
     return out
 
 
@@ -365,7 +377,7 @@ def not_targeted(ctx):
 
 @check("keys.declared_absent", "error", "the config targets a module type no tensor adapts")
 def declared_absent(ctx):
-    expected, present = _expected(ctx), _present(ctx)
+    expected, present = _expected(ctx), _present(ctx, rejected_too=True)
     for sub in sorted(set(expected) - set(present)):
         yield Issue(
             f"target_modules covers {sub} (layers {ranges(expected[sub])}) but no tensor adapts it: the adapter was "
@@ -376,10 +388,11 @@ def declared_absent(ctx):
 
 @check("keys.partial", "error", "a targeted module type is missing on some layers (partial coverage)")
 def partial(ctx):
-    expected, present = _expected(ctx), _present(ctx)
+    expected, present = _expected(ctx), _present(ctx, rejected_too=True)
     for sub, layers in sorted(present.items()):
         missing = sorted(expected.get(sub, set()) - layers)
-        if sub in expected and missing:
+        # no layer in range at all: keys.layer already names the indices the tensors use
+        if sub in expected and missing and layers & expected[sub]:
             yield Issue(
                 f"partial adapter: {sub} adapted on {len(layers & expected[sub])} of {len(expected[sub])} layers; "
                 f"missing on layers {ranges(missing)}: re-save from the training output or set layers_to_transform",

@@ -53,6 +53,23 @@ class Issue:
     severity: str | None = None
 
 
+def grouped(issues, what: str = "tensors"):
+    """One Issue per distinct message: a finding repeated for many tensors or modules (one root cause:
+    a wrong `r`, a re-save in the wrong dtype) is said once, with the count and three of the places;
+    `where` is the first place."""
+    by: dict[str, list[Issue]] = {}
+    for i in issues:
+        by.setdefault(i.message, []).append(i)
+    for msg, items in by.items():
+        if len(items) == 1:
+            yield items[0]
+            continue
+        names = [i.where.rsplit(":", 1)[-1] for i in items]
+        yield Issue(
+            f"{msg} [{len(items)} {what}, e.g. {', '.join(names[:3])}]", items[0].where, items[0].severity
+        )
+
+
 @dataclass(frozen=True)
 class CheckSpec:
     id: str  # stable, `area.what`

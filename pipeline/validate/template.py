@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.artifacts.manifest import read_manifest
+from pipeline.errors import UsageError
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer, read_template, render
 from pipeline.validate.registry import Unavailable
 
@@ -112,6 +113,13 @@ def axolotl_named_template(name: str) -> str | None:
     return None
 
 
+def _named_choice(data: dict) -> bool:
+    """Whether the config's template needs no tokenizer to resolve (a name or inline jinja)."""
+    ds = (data.get("datasets") or [None])[0]
+    choice = (ds.get("chat_template") if isinstance(ds, dict) else None) or data.get("chat_template")
+    return bool(choice) and not str(choice).startswith("tokenizer_default")
+
+
 def resolve_axolotl_template(data: dict, tokenizer_template: str | None) -> tuple[str, str]:
     """(template text, choice) the way axolotl's `get_chat_template_from_config` resolves it for the first dataset.
 
@@ -142,6 +150,21 @@ def resolve_axolotl_template(data: dict, tokenizer_template: str | None) -> tupl
     return named, choice
 
 
+def check_training_config(path: Path) -> dict:
+    """An explicitly given `--training-config`: its mapping. Raises UsageError (exit 2: the option is
+    wrong, not the adapter) when the file is missing, not YAML or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--training-config {p}: no such file (give the run's resolved.yml)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UsageError(f"--training-config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is not None and not isinstance(data, dict):
+        raise UsageError(f"--training-config {p}: an axolotl config is a mapping, got {type(data).__name__}")
+    return data or {}
+
+
 def training_config_path(adapter_dir: Path, training_config: Path | None) -> Path | None:
     """The resolved axolotl config: the one given, else `resolved_config` from manifest.json if it exists."""
     if training_config is not None:
@@ -163,17 +186,23 @@ class TrainingSide:
     source: str
 
 
-def training_side_from_config(data: dict, cfg_path, adapter_dir: Path | None = None) -> TrainingSide | None:
+def training_side_from_config(
+    data: dict, cfg_path, adapter_dir: Path | None = None, base_dir: Path | None = None
+) -> TrainingSide | None:
     """The training template and tokenizer from an axolotl config (tokenizer from `tokenizer_config` /
-    `base_model`, else the adapter's). Raises TokenizerError / ValueError."""
+    `base_model`, else the adapter's, else `base_dir`'s: the base the adapter is validated against,
+    whose tokenizer axolotl loads from `base_model`). A named template (chatml, qwen3_5...) is
+    resolved without a tokenizer (the served one tokenizes it). Raises TokenizerError / ValueError
+    (e.g. an unknown chat_template name)."""
     tok_src = data.get("tokenizer_config") or data.get("base_model")
     tok = None
-    if tok_src and has_tokenizer(Path(str(tok_src))):
-        tok = ChatTokenizer.load(Path(str(tok_src)))
-    elif adapter_dir is not None and has_tokenizer(adapter_dir):
-        tok = ChatTokenizer.load(adapter_dir)
+    for d in (Path(str(tok_src)) if tok_src else None, adapter_dir, base_dir):
+        if d is not None and has_tokenizer(Path(d)):
+            tok = ChatTokenizer.load(Path(d))
+            break
     if tok is None:
-        return None
+        tmpl, choice = resolve_axolotl_template(data, None) if _named_choice(data) else (None, None)
+        return TrainingSide(tmpl, None, f"{cfg_path} (chat_template: {choice})") if tmpl else None
     overrides = (data.get("special_tokens") or {}) if isinstance(data.get("special_tokens"), dict) else {}
     for k, v in overrides.items():
         if isinstance(v, str):
@@ -185,11 +214,13 @@ def training_side_from_config(data: dict, cfg_path, adapter_dir: Path | None = N
     return TrainingSide(tmpl, tok, f"{cfg_path} (chat_template: {choice})")
 
 
-def training_side(adapter_dir: Path, training_config: Path | None) -> TrainingSide | None:
+def training_side(
+    adapter_dir: Path, training_config: Path | None, base_dir: Path | None = None
+) -> TrainingSide | None:
     cfg_path = training_config_path(adapter_dir, training_config)
     if cfg_path is not None:
         data = yaml.safe_load(Path(cfg_path).read_text()) or {}
-        side = training_side_from_config(data, cfg_path, adapter_dir)
+        side = training_side_from_config(data, cfg_path, adapter_dir, base_dir)
         if side is not None:
             return side
     tmpl = read_template(adapter_dir)

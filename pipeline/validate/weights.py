@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.artifacts.adapter import WEIGHTS_FILE
 from pipeline.serving.vllm import ALLOWED_DTYPES
-from pipeline.validate.registry import Issue, check
+from pipeline.validate.registry import Issue, check, grouped
 
 
 @check("adapter.missing", "error", "the adapter directory does not exist")
@@ -124,12 +124,14 @@ def weights_empty(ctx):
 
 @check("weights.dtype", "error", "a tensor is not bf16/fp16/fp32")
 def weights_dtype(ctx):
-    for name, info in ctx.header.items():
-        if info.dtype not in ALLOWED_DTYPES:
-            yield Issue(
-                f"dtype {info.dtype}; vLLM loads bf16/fp16/fp32 LoRA weights: re-save in bf16",
-                f"{ctx.wfile}:{name}",
-            )
+    yield from grouped(
+        Issue(
+            f"dtype {info.dtype}; vLLM loads bf16/fp16/fp32 LoRA weights: re-save in bf16",
+            f"{ctx.wfile}:{name}",
+        )
+        for name, info in ctx.header.items()
+        if info.dtype not in ALLOWED_DTYPES
+    )
 
 
 @check(

@@ -116,11 +116,11 @@ def test_cuda_without_gpu_and_a_failed_build_leave_out_as_it_was(tmp_path, monke
 
     out = tmp_path / "base"
     out.mkdir()
-    (out / "keep.txt").write_text("old")
+    (out / "config.json").write_text("old")  # a checkpoint built before: replaced only when complete
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="no CUDA GPU"):
             build_real_base(out, 4, device="cuda")
-        assert (out / "keep.txt").read_text() == "old"
+        assert (out / "config.json").read_text() == "old"
 
     def boom(dst, *a, **k):
         (dst / "model-00001-of-00002.safetensors").write_bytes(b"half")
@@ -130,4 +130,4 @@ def test_cuda_without_gpu_and_a_failed_build_leave_out_as_it_was(tmp_path, monke
     with pytest.raises(OSError, match="No space"):
         build_real_base(out, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert [p.name for p in out.iterdir()] == ["config.json"]

@@ -121,7 +121,14 @@ def test_sync_reports_hung_and_keeps_the_mark(tmp_path, hung, monkeypatch):
 
 
 def test_min_healthy_cannot_be_met_by_a_hung_fleet(tmp_path, hung):
-    cfg = _cfg(tmp_path, [{"name": "h", "url": hung.url}, {"name": "h2", "url": hung.url}], min_healthy=1)
+    with HungListener() as hung2:  # two instances, two servers (one URL twice is refused by the config)
+        cfg = _cfg(
+            tmp_path, [{"name": "h", "url": hung.url}, {"name": "h2", "url": hung2.url}], min_healthy=1
+        )
+        _rollout_fails_for_all(cfg)
+
+
+def _rollout_fails_for_all(cfg):
     (cfg.volume.path / "chat-v1").mkdir(parents=True)
     with pytest.raises(FleetError, match=r"0 of 2 instance\(s\) answer, 1 must"):
         rollout(cfg, "chat", 1, cfg.volume.path / "chat-v1")

@@ -329,6 +329,15 @@ CASES = [
     ),
     ("config.rank", "error", ("config", {"rank_pattern": {"q_proj": 32}}), {}, ["--max-lora-rank 16"], {}),
     ("config.rank", "error", ("config", {"r": 0}), {}, ["not a positive integer"], {}),
+    ("config.alpha_negative", "error", ("config", {"lora_alpha": -16}), {}, ["is negative"], {}),
+    (
+        "config.alpha_negative",
+        "error",
+        ("config", {"alpha_pattern": {"q_proj": -8}}),
+        {},
+        ["alpha_pattern"],
+        {},
+    ),
     ("config.dora", "error", ("config", {"use_dora": True}), {}, ["DoRA", "retrain without"], {}),
     ("config.bias", "error", ("config", {"bias": "all"}), {}, ["bias", "'none'"], {}),
     (

@@ -40,3 +40,19 @@ def test_template_resolution_equals_axolotl(tiny_base, choice):
 def test_special_tokens_and_eos(tiny_base):
     tok = ChatTokenizer.load(tiny_base)
     assert tok.special["eos_token"] == "<|im_end|>" and tok.tokenizer.token_to_id("<|im_end|>") in tok.eos_ids
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [(None, "no such file"), ("a: [", "not valid YAML"), ("just a string", "mapping")],
+)
+def test_a_bad_training_config_option_is_a_usage_error(tmp_path, text, says):
+    """helper-7: a bad --training-config gave six template.* 'could not run' errors (exit 1)."""
+    from pipeline.errors import UsageError
+    from pipeline.validate import validate_adapter
+
+    tc = tmp_path / "tc.yml"
+    if text is not None:
+        tc.write_text(text)
+    with pytest.raises(UsageError, match=says):
+        validate_adapter(tmp_path, None, training_config=tc)

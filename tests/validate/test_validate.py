@@ -353,3 +353,67 @@ def test_a_non_positive_r_is_one_finding(adapter, tiny_vl_base, r):
     rep = validate_adapter(adapter, tiny_vl_base)
     errors = [c for c in rep.checks if c.severity == "error"]
     assert [c.id for c in errors] == ["config.rank"], [(c.id, c.message) for c in errors]
+
+
+def _cut_rank(t):
+    k = next(k for k in sorted(t) if "layers.0." in k and k.endswith("lora_A.weight"))
+    t[k] = t[k][:4].contiguous()
+
+
+def _shift_layers(t):
+    import re
+
+    return {
+        re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + 90}.", k): v for k, v in t.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "edit, root",
+    [
+        (lambda d: edit_config(d, r=16), "keys.rank"),
+        (lambda d: edit_tensors(d, _cut_rank), "keys.shape"),
+        (lambda d: edit_tensors(d, _rename("lora_A.weight", "lora_A.default.weight")), "keys.grammar"),
+        (lambda d: edit_tensors(d, _shift_layers), "keys.layer"),
+    ],
+)
+def test_coverage_checks_do_not_repeat_another_checks_finding(adapter, tiny_vl_base, edit, root):
+    """helper-7: tensors refused by one keys check were then reported missing by keys.declared_absent
+    ("no tensor adapts it") and keys.partial ("missing on layers 0"): false, and one cause twice."""
+    edit(adapter)
+    rep = validate_adapter(adapter, tiny_vl_base)
+    got = ids(rep, "error")
+    assert root in got and not got & {"keys.declared_absent", "keys.partial"}, [
+        (c.id, c.message) for c in rep.checks if c.severity == "error"
+    ]
+
+
+def test_an_unknown_chat_template_in_the_training_config_is_an_error(adapter, tiny_vl_base, tmp_path):
+    """helper-7: `chat_template: nosuch` passed with only template.unchecked ("pass --training-config")."""
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (adapter / f).unlink(missing_ok=True)  # no tokenizer with the adapter, none named by the config
+    tc = tmp_path / "tc.yml"
+    tc.write_text("chat_template: nosuch\n")
+    rep = validate_adapter(adapter, tiny_vl_base, training_config=tc)
+    assert "not one of axolotl's templates" in only(rep, "template.training").message
+    tc.write_text("chat_template: chatml\n")  # a named template resolves without a tokenizer
+    rep = validate_adapter(adapter, tiny_vl_base, training_config=tc)
+    assert "template.unchecked" not in ids(rep) and "template.training" not in ids(rep)
+
+
+@pytest.mark.parametrize(
+    "edit, check_id",
+    [
+        (lambda d: edit_config(d, r=16), "keys.rank"),
+        (lambda d: edit_tensors(d, lambda t: {k: v.double() for k, v in t.items()}), "weights.dtype"),
+        (lambda d: edit_tensors(d, _rename("lora_A.weight", "lora_A.default.weight")), "keys.grammar"),
+        (lambda d: edit_tensors(d, _shift_layers), "keys.layer"),
+    ],
+)
+def test_one_mistake_on_every_module_is_one_finding(adapter, tiny_vl_base, edit, check_id):
+    """helper-7: `r` 8 -> 16 gave 25 keys.rank errors, float64 weights 50 weights.dtype errors."""
+    edit(adapter)
+    rep = validate_adapter(adapter, tiny_vl_base)
+    found = [c for c in rep.checks if c.id == check_id]
+    assert len(found) == 1, [c.message for c in found]
+    assert any(w in found[0].message for w in ("tensors, e.g.", "modules, e.g.", "modules)")), found[0].message
