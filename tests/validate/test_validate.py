@@ -416,4 +416,6 @@ def test_one_mistake_on_every_module_is_one_finding(adapter, tiny_vl_base, edit,
     rep = validate_adapter(adapter, tiny_vl_base)
     found = [c for c in rep.checks if c.id == check_id]
     assert len(found) == 1, [c.message for c in found]
-    assert any(w in found[0].message for w in ("tensors, e.g.", "modules, e.g.", "modules)")), found[0].message
+    assert any(w in found[0].message for w in ("tensors, e.g.", "modules, e.g.", "modules)")), found[
+        0
+    ].message
