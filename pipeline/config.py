@@ -411,7 +411,10 @@ def load_config(path: Path | None = None) -> ProjectConfig:
         lines = [f"{where}: invalid config:"]
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
+            # a value from the environment is named by its variable, not by the file it overrides
+            var = "PIPELINE_" + "__".join(str(x) for x in err["loc"][:2]).upper()
+            src = f" (from ${var})" if len(err["loc"]) >= 2 and var in os.environ else ""
+            lines.append(f"  {loc}{src}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from e
     cfg.source = path.resolve() if path else None
     cfg.root = path.resolve().parent if path else (root or Path.cwd().resolve())

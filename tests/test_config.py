@@ -134,3 +134,12 @@ def test_project_is_found_walking_up(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config()
     assert not cfg.found and cfg.root == tmp_path and find_project() == (None, None)
+
+
+def test_an_environment_override_is_named_in_the_error(tmp_path, monkeypatch):
+    """helper-7: PIPELINE_FLEET__TIMEOUT_S=abc was reported against pipeline.yaml alone."""
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("fleet: {max_lora_rank: 32}\n")
+    monkeypatch.setenv("PIPELINE_FLEET__TIMEOUT_S", "abc")
+    with pytest.raises(ConfigError, match=r"fleet\.timeout_s \(from \$PIPELINE_FLEET__TIMEOUT_S\)"):
+        load_config(p)

@@ -209,6 +209,12 @@ def config_problems(raw: dict) -> list[ConfigProblem]:
                 continue
             want = PEFT_TYPES.get(top, "another type")
             value = raw.get(top)
+            same = [p for p in out if p.kind == "type" and p.field.split(".")[0] == top]
+            if same:  # a union's members or several entries of one field: one problem for the field
+                out[out.index(same[0])] = ConfigProblem(
+                    top, "type", f"{top} = {value!r:.80}: not what PEFT LoraConfig declares ({want})"
+                )
+                continue
             out.append(
                 ConfigProblem(
                     loc, "type", f"{loc} = {value!r:.80}: {err['msg']} (PEFT LoraConfig declares {want})"

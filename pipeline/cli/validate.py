@@ -178,6 +178,8 @@ def validate(
         raise UsageError(f"{adapter}: adapter directory not found")
     if base is not None and not base.is_dir():
         raise UsageError(f"{base}: base checkpoint directory not found")
+    if served is not None and not served.is_dir():  # an explicit option, as --base (served.path: a finding)
+        raise UsageError(f"{served}: served checkpoint directory not found")
     unknown = sorted(set(allow or ()) - set(REGISTRY))
     if unknown:
         raise UsageError(f"--allow {unknown}: unknown check id (see docs/validation.md)")

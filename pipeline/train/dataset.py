@@ -288,6 +288,16 @@ def check_datasets(
                         _error(where, f"{fm!r} must be a list of messages, got {type(raw).__name__}")
                     )
                     continue
+                if isinstance(raw, list) and (not raw or not all(isinstance(m, dict) for m in raw)):
+                    # axolotl's reader would fail with a bare IndexError / AttributeError here
+                    bad = next((i for i, m in enumerate(raw) if not isinstance(m, dict)), None)
+                    msg = (
+                        f"{fm!r} is an empty list"
+                        if bad is None
+                        else f"{fm!r} message {bad} is not an object with role and content (got {type(raw[bad]).__name__})"
+                    )
+                    report.findings.append(_error(where, msg))
+                    continue
                 try:
                     messages = read(row)
                 except json.JSONDecodeError as e:

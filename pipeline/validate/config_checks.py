@@ -349,12 +349,23 @@ def _peft_names(base) -> list[str]:
 @check(
     "config.target_absent",
     "error",
-    "a `target_modules` entry matches no module of the base (e.g. `in_proj_qkvz`, a name from another model)",
+    "a `target_modules` entry matches no module of the base (e.g. `in_proj_qkvz`, a name from another model), "
+    "or `layers_to_transform` names a layer the base does not have",
     scopes=BOTH,
 )
 def target_absent(ctx):
     lv, base = ctx.lora, ctx.base
     names = _peft_names(base)
+    layers = lv.get("layers_to_transform")
+    layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if isinstance(layers, list):
+        beyond = sorted({i for i in layers if isinstance(i, int) and not 0 <= i < base.num_layers})
+        if beyond:
+            yield Issue(
+                f"{lv.name('layers_to_transform')} names layer(s) {beyond} the base does not have (layers 0-"
+                f"{base.num_layers - 1}): PEFT adapts nothing there; list the base's layers",
+                lv.source,
+            )
     targets = lv.get("target_modules")
     if targets in (None, [], ""):
         return  # config.required says so

@@ -14,7 +14,12 @@ from pipeline.validate.registry import Issue, check, grouped
 @check("adapter.missing", "error", "the adapter directory does not exist")
 def adapter_missing(ctx):
     if not ctx.adapter_dir.is_dir():
-        yield Issue("adapter directory not found: check the path", str(ctx.adapter_dir))
+        what = (
+            "is a file, not an adapter directory: give the directory holding adapter_config.json"
+            if ctx.adapter_dir.exists()
+            else "adapter directory not found: check the path"
+        )
+        yield Issue(what, str(ctx.adapter_dir))
 
 
 @check(

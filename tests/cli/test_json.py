@@ -73,6 +73,7 @@ def test_register_publish_promote_rollback_json(registry_project, two_adapters, 
         (["rollback", "--json"], "Missing argument"),
         (["register", ".", "--name", "../escape", "--json"], "adapter name"),  # callback before --json
         (["train", "x.yml", "--gpus", "0", "--json"], "range"),
+        (["validate", ".", "--served", "/nonexistent", "--json"], "served checkpoint directory not found"),
     ],
 )
 def test_parse_errors_are_json_too(args, says, tmp_path, monkeypatch):

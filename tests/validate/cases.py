@@ -396,6 +396,10 @@ CASES = [
         ["c_attn"],
         {},
     ),
+    # helper-7: a layer the base does not have was named by nothing but 10 keys.not_targeted errors
+    ("config.target_absent", "error", ("config", {"layers_to_transform": [99]}), {}, ["layer(s) [99]"], {}),
+    # a plain string is PEFT's full-name regex: the message says so instead of suggesting the same name
+    ("config.target_absent", "error", ("config", {"target_modules": "q_proj"}), {}, ["full module name"], {}),
     (
         "keys.not_targeted",
         "error",

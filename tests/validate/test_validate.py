@@ -281,6 +281,9 @@ def test_nvfp4_quantisation_round_trips():
 def test_missing_adapter_directory(tmp_path, tiny_vl_base):
     rep = validate_adapter(tmp_path / "nope", tiny_vl_base)
     assert [c.id for c in rep.checks] == ["adapter.missing"] and not rep.passed
+    (tmp_path / "afile").write_text("x")  # helper-7: a file was "directory not found"
+    rep = validate_adapter(tmp_path / "afile", tiny_vl_base)
+    assert "is a file, not an adapter directory" in only(rep, "adapter.missing").message
 
 
 def test_unquantized_served_checkpoint_is_info(adapter, tiny_vl_base):
@@ -419,3 +422,11 @@ def test_one_mistake_on_every_module_is_one_finding(adapter, tiny_vl_base, edit,
     assert any(w in found[0].message for w in ("tensors, e.g.", "modules, e.g.", "modules)")), found[
         0
     ].message
+
+
+@pytest.mark.parametrize("field, value", [("target_modules", [1, 2]), ("layers_to_transform", "0")])
+def test_a_wrong_type_is_one_finding_per_field(adapter, tiny_vl_base, field, value):
+    """helper-7: `[1, 2]` gave two config.type errors, one per member of PEFT's `list[str] | str`."""
+    edit_config(adapter, **{field: value})
+    found = [c for c in validate_adapter(adapter, tiny_vl_base).checks if c.id == "config.type"]
+    assert len(found) == 1 and field in found[0].message, [c.message for c in found]
