@@ -86,7 +86,7 @@ def http_base_url(v: str) -> str:
         raise ValueError(f"{v!r}: a base URL has no query or fragment ({example})")
     if parts.username is not None or parts.password is not None:
         raise ValueError(
-            f"{urlsplit(v)._replace(netloc='***@' + (parts.hostname or '')).geturl()!r}: credentials in a URL are "
+            f"{parts._replace(netloc='***@' + (parts.hostname or '')).geturl()!r}: credentials in a URL are "
             "printed by status commands; put the API key in an environment variable named by api_key_env"
         )
     return v.rstrip("/")

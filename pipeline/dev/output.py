@@ -20,7 +20,7 @@ from pipeline.errors import UsageError
 def check_output_dir(out: Path) -> Path:
     """Return `out` if a builder may (re)write it. Raises UsageError saying why not (nothing written)."""
     out = Path(out)
-    if str(out) in ("", ".", "..") or out.name in ("", ".", ".."):
+    if out.name in ("", ".."):  # "", "." and "/" have no name; ".." is a parent
         raise UsageError(f"{str(out)!r} is not a directory name: give a new directory, e.g. ./tiny-base")
     resolved = out.resolve()
     cwd = Path.cwd().resolve()

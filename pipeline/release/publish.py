@@ -148,6 +148,14 @@ def clear_debris(root: Path, volume: Path) -> list[Path]:
     return removed
 
 
+def _clear_all_debris(cfg: ProjectConfig, volume: Path) -> Path:
+    """`clear_debris` on the volume's staging area and the local download area; returns the latter."""
+    tmp_root = Path(cfg.state_dir) / "tmp"
+    clear_debris(volume / STAGING, volume)
+    clear_debris(tmp_root, volume)
+    return tmp_root
+
+
 def _rmdir_if_empty(*dirs: Path) -> None:
     for d in dirs:
         try:
@@ -177,16 +185,13 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
         if why:
             raise PublishError(why)
         try:  # debris goes with every successful publish, also one that copies nothing
-            clear_debris(volume / STAGING, volume)
-            clear_debris(Path(cfg.state_dir) / "tmp", volume)
+            _clear_all_debris(cfg, volume)
         except VolumeError:
             pass  # a volume that cannot be written to still serves what is on it (rollback, promote)
         return target, False
 
     check_writable(volume)
-    tmp_root = Path(cfg.state_dir) / "tmp"
-    clear_debris(volume / STAGING, volume)
-    clear_debris(tmp_root, volume)
+    tmp_root = _clear_all_debris(cfg, volume)
     check_writable(tmp_root)
     with tempfile.TemporaryDirectory(prefix=f"{name}-v{version}.", dir=tmp_root) as td:
         src = registry.download_version(cfg, mv, Path(td) / "download")

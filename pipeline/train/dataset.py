@@ -100,11 +100,21 @@ def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
         )
 
 
+def shape_problem(messages, field: str = "messages") -> str | None:
+    """What is wrong with the shape of a conversation's list (before any field mapping), or None."""
+    if not isinstance(messages, list) or not messages:
+        return f"{field!r} must be a non-empty list of messages"
+    bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
+    if bad is not None:
+        return f"{field!r} message {bad} is not an object with role and content (got {type(messages[bad]).__name__})"
+    return None
+
+
 def check_conversation(messages, where: str, roles_to_train: Iterable[str]) -> list[Finding]:
     """Schema checks for one conversation. Returns findings (empty when fine)."""
     out: list[Finding] = []
     if not isinstance(messages, list) or not messages:
-        return [_error(where, "`messages` must be a non-empty list")]
+        return [_error(where, shape_problem(messages))]
     trainable = 0
     for i, m in enumerate(messages):
         w = f"{where} (message {i})"
@@ -288,15 +298,9 @@ def check_datasets(
                         _error(where, f"{fm!r} must be a list of messages, got {type(raw).__name__}")
                     )
                     continue
-                if isinstance(raw, list) and (not raw or not all(isinstance(m, dict) for m in raw)):
-                    # axolotl's reader would fail with a bare IndexError / AttributeError here
-                    bad = next((i for i, m in enumerate(raw) if not isinstance(m, dict)), None)
-                    msg = (
-                        f"{fm!r} is an empty list"
-                        if bad is None
-                        else f"{fm!r} message {bad} is not an object with role and content (got {type(raw[bad]).__name__})"
-                    )
-                    report.findings.append(_error(where, msg))
+                # axolotl's reader would fail on these with a bare IndexError / AttributeError
+                if isinstance(raw, list) and (why := shape_problem(raw, fm)):
+                    report.findings.append(_error(where, why))
                     continue
                 try:
                     messages = read(row)

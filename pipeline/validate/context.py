@@ -363,7 +363,7 @@ class Context(TemplateFacts):
                 continue
             if m.a.name in self.nonfinite or m.b.name in self.nonfinite:
                 continue
-            if self.configured_rank(m) is not None and self.configured_rank(m) < 1:
+            if (r := self.configured_rank(m)) is not None and r < 1:
                 continue  # `r` <= 0: config.rank says so once; the scale (0) would call every module dead
             if (
                 m.a.dtype not in ALLOWED_DTYPES

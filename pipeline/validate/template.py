@@ -113,11 +113,12 @@ def axolotl_named_template(name: str) -> str | None:
     return None
 
 
-def _named_choice(data: dict) -> bool:
-    """Whether the config's template needs no tokenizer to resolve (a name or inline jinja)."""
+def _template_choice(data: dict) -> tuple[str, str | None]:
+    """(chat_template, chat_template_jinja) for the first dataset, as axolotl picks them: the dataset's
+    own entry, else the config's, else `tokenizer_default`."""
     ds = (data.get("datasets") or [None])[0]
-    choice = (ds.get("chat_template") if isinstance(ds, dict) else None) or data.get("chat_template")
-    return bool(choice) and not str(choice).startswith("tokenizer_default")
+    src = ds if isinstance(ds, dict) and ds.get("chat_template") else data
+    return src.get("chat_template") or "tokenizer_default", src.get("chat_template_jinja")
 
 
 def resolve_axolotl_template(data: dict, tokenizer_template: str | None) -> tuple[str, str]:
@@ -125,11 +126,7 @@ def resolve_axolotl_template(data: dict, tokenizer_template: str | None) -> tupl
 
     Raises ValueError when axolotl would (no template on the tokenizer for tokenizer_default, unknown name).
     """
-    ds = (data.get("datasets") or [None])[0]
-    if isinstance(ds, dict) and ds.get("chat_template"):
-        choice, jinja = ds.get("chat_template") or "tokenizer_default", ds.get("chat_template_jinja")
-    else:
-        choice, jinja = data.get("chat_template") or "tokenizer_default", data.get("chat_template_jinja")
+    choice, jinja = _template_choice(data)
     if choice == "jinja":
         if not jinja:
             raise ValueError("chat_template: jinja without chat_template_jinja")
@@ -201,7 +198,8 @@ def training_side_from_config(
             tok = ChatTokenizer.load(Path(d))
             break
     if tok is None:
-        tmpl, choice = resolve_axolotl_template(data, None) if _named_choice(data) else (None, None)
+        needs_tokenizer = str(_template_choice(data)[0]).startswith("tokenizer_default")
+        tmpl, choice = (None, None) if needs_tokenizer else resolve_axolotl_template(data, None)
         return TrainingSide(tmpl, None, f"{cfg_path} (chat_template: {choice})") if tmpl else None
     overrides = (data.get("special_tokens") or {}) if isinstance(data.get("special_tokens"), dict) else {}
     for k, v in overrides.items():

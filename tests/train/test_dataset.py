@@ -39,7 +39,7 @@ def test_fingerprint_changes_with_any_byte(tmp_path):
         # new-user finding: a string here was reported as a tool-call error
         ({"messages": "nope"}, "'messages' is a string that is not a JSON list"),
         ({"messages": 7}, "'messages' must be a list of messages, got int"),
-        ({"messages": []}, "'messages' is an empty list"),  # helper-7: "list index out of range"
+        ({"messages": []}, "'messages' must be a non-empty list"),  # helper-7: "list index out of range"
         (
             {"messages": [7]},
             "'messages' message 0 is not an object",
