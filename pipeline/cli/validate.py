@@ -12,7 +12,7 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.validate import REGISTRY, default_base, validate_with_config
+from pipeline.validate import RULES, default_base, validate_with_config
 
 app = typer.Typer()
 
@@ -180,7 +180,7 @@ def validate(
         raise UsageError(f"{base}: base checkpoint directory not found")
     if served is not None and not served.is_dir():  # an explicit option, as --base (served.path: a finding)
         raise UsageError(f"{served}: served checkpoint directory not found")
-    unknown = sorted(set(allow or ()) - set(REGISTRY))
+    unknown = sorted(set(allow or ()) - set(RULES))
     if unknown:
         raise UsageError(f"--allow {unknown}: unknown check id (see docs/validation.md)")
     if (base or default_base(cfg, adapter)) is None:

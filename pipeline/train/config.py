@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.validate.registry import REGISTRY
 from pipeline.validate.report import FleetRules
+from pipeline.validate.rules import RULES
 from pipeline.validate.train_checks import TRAIN_IDS, check_training
 
 # Short ids `pipeline train --allow` accepted before the rules were unified, mapped to the rule ids
@@ -36,8 +36,8 @@ LEGACY_ALLOW = {
 # Every id `--allow` may override: the train-scope rules (plus the legacy short ids), and the GPU preflight's
 # memory estimate (pipeline.train.preflight.logits_memory_problem).
 ALLOWABLE = (
-    {i: REGISTRY[i].doc for i in TRAIN_IDS}
-    | {k: REGISTRY[v].doc for k, v in LEGACY_ALLOW.items()}
+    {i: RULES[i].doc for i in TRAIN_IDS}
+    | {k: RULES[v].doc for k, v in LEGACY_ALLOW.items()}
     | {"logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU"}
 )
 

@@ -1,9 +1,9 @@
 """Validate a LoRA adapter against the base it was trained on and the fleet that will serve it.
 
-Every check is a registered rule (`pipeline.validate.registry`): a stable id (`area.what`), a
+Every check is a registered rule (`pipeline.validate.rules`): a stable id (`area.what`), a
 severity, a doc line and one small function, grouped by concern in `weights`, `config_checks`,
 `fleet_checks`, `keys`, `values`, `served`, `template_checks`, `behaviour` and `train_checks`; `docs/validation.md`'s
-table is generated from the registry. Each finding says what is wrong, where (file, tensor, layer)
+table is generated from the rule table (`RULES`). Each finding says what is wrong, where (file, tensor, layer)
 and how to fix it. The verdict is `pass` when no finding has severity `error`. Only headers of
 the base and served checkpoints are read; adapter tensors are read through one memory map, and
 neither torch nor transformers is imported unless `behaviour=True`.
@@ -20,8 +20,8 @@ from pathlib import Path
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.manifest import read_manifest
 from pipeline.validate.context import Context, Options
-from pipeline.validate.registry import REGISTRY, Unavailable, rules_version, run
 from pipeline.validate.report import REPORT_FILE, FleetRules, ValidationReport
+from pipeline.validate.rules import RULES, Unavailable, rules_version, run
 from pipeline.validate.template import check_training_config
 
 # The modules whose checks are registered by importing them (registration order = run order within an area).
@@ -40,7 +40,7 @@ CHECK_MODULES = tuple(
     )
 )
 __all__ = [
-    "REGISTRY",
+    "RULES",
     "REPORT_FILE",
     "FleetRules",
     "ValidationReport",

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from pipeline.artifacts.manifest import read_manifest
-from pipeline.validate.registry import Issue, check
+from pipeline.validate.rules import Issue, check
 
 MAX_NEW_TOKENS = 8
 BATCH = 8

@@ -15,7 +15,7 @@ from pipeline.artifacts.peft_match import matching_entries
 from pipeline.errors import PipelineError
 from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, PLAIN_INITS
 from pipeline.validate.normalise import ParityError, fold_rslora
-from pipeline.validate.registry import Issue, Unavailable, check
+from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")
 

@@ -32,8 +32,8 @@ from pipeline.serving.vllm import ALLOWED_DTYPES, QWEN35_MODULES
 from pipeline.validate import template
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer
 from pipeline.validate.lora_view import LoraView
-from pipeline.validate.registry import Unavailable
 from pipeline.validate.report import FleetRules, ValidationReport
+from pipeline.validate.rules import Unavailable
 from pipeline.validate.template import TemplateFacts
 
 

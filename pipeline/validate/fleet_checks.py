@@ -6,7 +6,7 @@ upstream vLLM PR #22782 (LoRA buffers are sized by `--max-lora-rank`).
 
 from __future__ import annotations
 
-from pipeline.validate.registry import Issue, Unavailable, check
+from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")
 OVERSIZE = 4  # warn when max_lora_rank > OVERSIZE x the largest rank the adapter uses

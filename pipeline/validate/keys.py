@@ -12,7 +12,7 @@ from __future__ import annotations
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.serving.modules import runtime_target, served_key_prefix
 from pipeline.serving.vllm import EMBEDDING_MODULES, fleet_applies
-from pipeline.validate.registry import Issue, Unavailable, check, grouped
+from pipeline.validate.rules import Issue, Unavailable, check, grouped
 
 
 def ranges(xs) -> str:

@@ -23,8 +23,8 @@ from pipeline.errors import CheckFailed
 from pipeline.serving.versions import UnknownVllmVersion, rules_for
 from pipeline.validate import default_base, validate_adapter
 from pipeline.validate.normalise import ParityError, normalise_for_serving
-from pipeline.validate.registry import rules_version
 from pipeline.validate.report import FleetRules
+from pipeline.validate.rules import rules_version
 
 
 def _bound(tags: dict) -> dict:

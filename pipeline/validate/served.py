@@ -10,7 +10,7 @@ from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, logical_linear_shape, q
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.serving.vllm import KNOWN_QUANT
 from pipeline.validate.keys import ranges
-from pipeline.validate.registry import Issue, check
+from pipeline.validate.rules import Issue, check
 
 
 @check("served.unchecked", "warning", "no served checkpoint given (`served.path` / `--served`)")

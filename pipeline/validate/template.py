@@ -31,7 +31,7 @@ import yaml
 from pipeline.artifacts.manifest import read_manifest
 from pipeline.errors import UsageError
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer, read_template, render
-from pipeline.validate.registry import Unavailable
+from pipeline.validate.rules import Unavailable
 
 CONTEXT_TOKENS = 8
 BOTH = ("adapter", "train")

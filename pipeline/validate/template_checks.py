@@ -6,7 +6,7 @@ and `pipeline train` (the axolotl config's template and special tokens, the base
 
 from __future__ import annotations
 
-from pipeline.validate.registry import Issue, check
+from pipeline.validate.rules import Issue, check
 from pipeline.validate.template import CONTEXT_TOKENS, turn_terminator
 
 BOTH = ("adapter", "train")

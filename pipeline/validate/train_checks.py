@@ -20,8 +20,8 @@ from pipeline.validate import template
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer
 from pipeline.validate.context import Options
 from pipeline.validate.lora_view import LoraView
-from pipeline.validate.registry import REGISTRY, Issue, Unavailable, check, run
 from pipeline.validate.report import FleetRules, ValidationReport
+from pipeline.validate.rules import RULES, Issue, Unavailable, check, run
 from pipeline.validate.template import TemplateFacts
 
 
@@ -192,4 +192,4 @@ def check_training(
     return rep
 
 
-TRAIN_IDS = sorted(k for k, s in REGISTRY.items() if "train" in s.scopes)
+TRAIN_IDS = sorted(k for k, s in RULES.items() if "train" in s.scopes)

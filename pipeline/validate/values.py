@@ -13,7 +13,7 @@ import statistics
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.artifacts.safetensors import DTYPE_BYTES, raw_header
 from pipeline.validate.keys import ranges
-from pipeline.validate.registry import Issue, check
+from pipeline.validate.rules import Issue, check
 
 NORM_OUTLIER = 10.0  # x the median update norm of the same module type
 SIZE_BAND = (0.5, 2.0)  # weights file / expected bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.artifacts.adapter import WEIGHTS_FILE
 from pipeline.serving.vllm import ALLOWED_DTYPES
-from pipeline.validate.registry import Issue, check, grouped
+from pipeline.validate.rules import Issue, check, grouped
 
 
 @check("adapter.missing", "error", "the adapter directory does not exist")

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from pipeline.validate import REGISTRY
+from pipeline.validate import RULES
 from tests.train.test_training_config import TRAIN_CASES
 from tests.validate.cases import CASES
 
@@ -59,14 +59,14 @@ def covered() -> dict[str, list[str]]:
 
 
 def test_every_check_id_has_a_failing_fixture():
-    missing = sorted(set(REGISTRY) - set(covered()))
+    missing = sorted(set(RULES) - set(covered()))
     assert missing == [], f"registered checks without a failing fixture: {missing}"
 
 
 def test_every_fixture_names_a_registered_check():
-    assert sorted(set(covered()) - set(REGISTRY)) == []
+    assert sorted(set(covered()) - set(RULES)) == []
 
 
 def test_train_scope_rules_have_a_training_config_fixture():
-    train_ids = {k for k, s in REGISTRY.items() if s.scopes == ("train",)}
+    train_ids = {k for k, s in RULES.items() if s.scopes == ("train",)}
     assert train_ids <= {c[0] for c in TRAIN_CASES} | {"train.unpinned_base"}

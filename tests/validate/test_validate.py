@@ -318,15 +318,15 @@ def test_static_validation_imports_neither_torch_nor_transformers(
 
 def test_a_failing_rule_is_a_finding_not_a_traceback(adapter, tiny_vl_base, monkeypatch):
     """The orchestrator turns a rule that raises into an error finding with that rule's id; the others still run."""
-    from pipeline.validate import REGISTRY
+    from pipeline.validate import RULES
 
-    spec = REGISTRY["keys.conv1d"]
+    spec = RULES["keys.conv1d"]
 
     def broken(ctx):
         raise TypeError("boom")
         yield
 
-    monkeypatch.setitem(REGISTRY, "keys.conv1d", type(spec)(**{**spec.__dict__, "fn": broken}))
+    monkeypatch.setitem(RULES, "keys.conv1d", type(spec)(**{**spec.__dict__, "fn": broken}))
     rep = validate_adapter(adapter, tiny_vl_base)
     c = only(rep, "keys.conv1d")
     assert c.severity == "error" and "TypeError: boom" in c.message and "please report it" in c.message

@@ -8,7 +8,7 @@ weights...) raises `Unavailable` through the context and is skipped: the missing
 once, by its own check. Like vLLM's `PEFTHelper._validate_features` every problem is collected and
 reported together; like axolotl's `utils/schemas/` there is one named validator per rule.
 
-`docs/validation.md`'s check table is generated from `REGISTRY` (`python -m pipeline.validate.docs`);
+`docs/validation.md`'s check table is generated from `RULES` (`python -m pipeline.validate.docs`);
 tests fail when the two differ or when a registered id has no failing fixture.
 """
 
@@ -82,7 +82,7 @@ class CheckSpec:
     severity_doc: str | None = None  # when the severity varies, how (docs table)
 
 
-REGISTRY: dict[str, CheckSpec] = {}
+RULES: dict[str, CheckSpec] = {}
 
 
 def check(
@@ -99,8 +99,8 @@ def check(
     assert severity in SEVERITIES and area in AREAS and set(scopes) <= set(SCOPES), id
 
     def deco(fn):
-        assert id not in REGISTRY, f"check {id} registered twice"
-        REGISTRY[id] = CheckSpec(id, severity, area, doc, fn, tuple(scopes), option, severity_doc)
+        assert id not in RULES, f"check {id} registered twice"
+        RULES[id] = CheckSpec(id, severity, area, doc, fn, tuple(scopes), option, severity_doc)
         return fn
 
     return deco
@@ -110,7 +110,7 @@ def specs(scope: str = "adapter", options: Iterable[str] = ()) -> list[CheckSpec
     """The checks of `scope` in run order: by area, then registration order."""
     opts = set(options)
     order = {a: i for i, a in enumerate(AREAS)}
-    chosen = [s for s in REGISTRY.values() if scope in s.scopes and (s.option is None or s.option in opts)]
+    chosen = [s for s in RULES.values() if scope in s.scopes and (s.option is None or s.option in opts)]
     return sorted(chosen, key=lambda s: order[s.area])  # stable: registration order within an area
 
 
@@ -136,7 +136,7 @@ def run(ctx, report: Report, scope: str = "adapter", options: Iterable[str] = ()
 def rules_version() -> str:
     """A digest of the rule set (ids, severities, docs, scopes): verdicts record it, publish compares it."""
     h = hashlib.sha256()
-    for s in sorted(REGISTRY.values(), key=lambda s: s.id):
+    for s in sorted(RULES.values(), key=lambda s: s.id):
         h.update(f"{s.id}|{s.severity}|{s.doc}|{s.scopes}|{s.option}\n".encode())
     h.update(repr(RANGES).encode())
     return h.hexdigest()[:16]
