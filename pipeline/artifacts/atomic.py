@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -60,12 +61,25 @@ def seal_tree(root: Path) -> None:
 
 
 def rmtree(path: Path) -> None:
-    """Remove a tree even where `seal_tree` made it read-only; absent is fine."""
+    """Remove a tree even where `seal_tree` made it read-only; absent is fine. Never follows a link.
+
+    A symlink (to a directory or anything else) or a file is unlinked itself, never what it
+    points at; inside the tree only real directories are made writable (`os.walk` does not
+    descend into links) and `shutil.rmtree`'s fd-based walk removes entries without following
+    links, so a link planted in the tree cannot make this delete or chmod anything outside it.
+    """
     path = Path(path)
-    if not path.exists():
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
-    for p in path.rglob("*"):
-        if p.is_dir() and not p.is_symlink():
-            os.chmod(p, 0o755)
+    if not stat.S_ISDIR(st.st_mode):
+        path.unlink(missing_ok=True)
+        return
     os.chmod(path, 0o755)
+    for root, dirs, _ in os.walk(path, followlinks=False):
+        for d in dirs:
+            p = os.path.join(root, d)
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                os.chmod(p, 0o755)
     shutil.rmtree(path, ignore_errors=True)

@@ -19,13 +19,19 @@ name (docs/vllm.md).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifacts.atomic import rmtree
+from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree
+from pipeline.artifacts.locks import try_lock
 from pipeline.artifacts.manifest import MANIFEST, read_manifest, verify_files
 from pipeline.artifacts.names import name_problem
 from pipeline.errors import VolumeError
@@ -147,6 +153,117 @@ def copy_tree(src: Path, dst: Path) -> None:
             first = e.args[0][0] if e.args and e.args[0] else ("?", "?", str(e))
             raise VolumeError(f"cannot copy {first[0]} to {first[1]}: {first[2]}") from e
         raise os_failure(e, "cannot copy", dst) from e
+
+
+# -- the staging lifecycle: how a version directory comes to exist ------------------------------------
+STALE_UNKNOWN_S = 3600  # `.staging/` entries that name no adapter: removed when this old
+
+
+def clear_debris(root: Path, volume: Path) -> list[Path]:
+    """Remove entries of `root` (`<volume>/.staging` or a local download area) left by killed writers.
+
+    An entry belongs to an adapter (`staging_owner`); it is debris when nobody holds that adapter's
+    lock (a live publish holds it from before it stages until after the rename), so a concurrent
+    publish of another adapter is never disturbed. Entries naming no adapter are removed once an
+    hour old. Returns the removed paths. Raises VolumeError when an entry cannot be removed.
+    """
+    removed: list[Path] = []
+    if not Path(root).is_dir():
+        return removed
+    for entry in sorted(Path(root).iterdir()):
+        owner = staging_owner(entry.name)
+        try:
+            if owner is None:
+                if time.time() - entry.lstat().st_mtime > STALE_UNKNOWN_S:
+                    rmtree(entry)
+                    removed.append(entry)
+                continue
+            with try_lock(adapter_lock_path(volume, owner)) as free:
+                if free:
+                    rmtree(entry)
+                    removed.append(entry)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise os_failure(e, "cannot remove staging debris", entry) from e
+    return removed
+
+
+def _rmdir_if_empty(*dirs: Path) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()  # only when empty: a concurrent publish may be staging
+        except OSError:
+            pass
+
+
+@dataclass
+class Staged:
+    """A version directory being written: the body of `staged_version` fills `path`."""
+
+    path: Path  # `<volume>/.staging/<NAME>/v<N>.<random>/adapter`: becomes the version directory
+    target: Path  # `<volume>/<NAME>-v<N>`
+    created: bool = False  # set on exit: True when this copy was renamed into place
+
+
+@contextlib.contextmanager
+def staged_version(
+    volume: Path,
+    name: str,
+    version: int,
+    need_bytes: int,
+    files: int,
+    checkpoint: Callable[[str], None] = lambda point: None,
+) -> Iterator[Staged]:
+    """The one way a version directory is written: stage, seal, rename. Call holding NAME's lock.
+
+    Before the body: the volume's free space is checked for `need_bytes` / `files` (a full
+    volume gets no partial copy) and a private directory is made under `<volume>/.staging/<NAME>/`
+    (same filesystem, so the last step is a rename). The body fills `Staged.path`, the manifest
+    last. On a normal exit the tree is sealed (files 0444, directories 0555, each fsynced),
+    `checkpoint("before-rename")` is called (crash injection), the directory is renamed to
+    `<volume>/<NAME>-v<N>` (mode 0555, the volume fsynced) and `created` is True; when the target
+    appeared meanwhile (a writer not holding this lock), this copy is dropped and `created` stays
+    False. The staging directory is removed however the block ends, so a version directory either
+    does not exist or is complete; what a SIGKILL leaves in `.staging/` is debris for
+    `clear_debris`. Raises VolumeError (with the fix) for any filesystem error.
+    """
+    volume = Path(volume)
+    target = version_dir(volume, name, version)
+    stage_root = staging_dir(volume, name)
+    try:
+        stage_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_failure(e, "cannot create the staging directory", stage_root) from e
+    try:
+        check_free_space(stage_root, need_bytes, files)
+        work = Path(tempfile.mkdtemp(prefix=f"v{version}.", dir=stage_root))
+    except OSError as e:
+        _rmdir_if_empty(stage_root, volume / STAGING)
+        raise os_failure(e, "cannot create a staging directory in", stage_root) from e
+    except BaseException:
+        _rmdir_if_empty(stage_root, volume / STAGING)
+        raise
+    staged = Staged(work / "adapter", target)
+    try:
+        try:
+            yield staged
+            seal_tree(staged.path)
+            checkpoint("before-rename")
+            try:
+                os.rename(staged.path, target)
+            except OSError as e:
+                if target.exists():  # written meanwhile by a writer not holding this lock
+                    return
+                raise os_failure(e, f"cannot move {staged.path} to", target) from e
+            os.chmod(target, 0o555)
+            fsync_dir(volume)
+            staged.created = True
+        except OSError as e:
+            raise os_failure(e, "cannot write the version directory", work) from e
+    finally:
+        rmtree(work)
+        _rmdir_if_empty(stage_root, volume / STAGING)
 
 
 # -- integrity: a version directory against its manifest ----------------------------------------------

@@ -11,42 +11,38 @@ adapter, an intent record, recovery of a killed predecessor. Steps:
 2. under the adapter lock: finish what a killed transaction left, read the aliases and the
    desired state, write the intent record;
 3. `materialise`: download the artifact into `<state_dir>/tmp/` (local), verify every file against
-   its manifest, check the volume's free space, copy into `<volume>/.staging/<NAME>/`, rewrite
-   `base_model_name_or_path` to the fleet's `vllm serve` model string (the original is kept in the
-   manifest), record where it came from (`pipeline.release.origin`), fsync, `rename` into place (the
-   version directory either does not exist or is complete). An existing directory is verified
-   against its manifest and its origin instead;
+   its manifest, then write the version directory through `pipeline.artifacts.volume.staged_version`
+   (free space, `.staging/<NAME>/`, seal, fsync, `rename` into place: the version directory either
+   does not exist or is complete) with the rewrites of `pipeline.artifacts.normalise` (served key
+   layout, patterns, `base_model_name_or_path` = the fleet's `vllm serve` model string; originals
+   kept in the manifest) and where it came from (`pipeline.release.origin`). An existing directory
+   is verified against its manifest and its origin instead;
 4. under the fleet lock: the rollout (every instance, or every instance put back and exit 4),
    then the desired state, `production` and `previous`, the publish event; the record is removed.
 
-Staging debris of killed publishes is removed by the next publish of any adapter: an entry of
-`.staging/` whose adapter's lock nobody holds belongs to no live publish.
+Staging debris of killed publishes is removed by the next publish of any adapter
+(`pipeline.artifacts.volume.clear_debris`): an entry of `.staging/` whose adapter's lock nobody
+holds belongs to no live publish.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
-import os
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import registry
-from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree, write_json_atomic
-from pipeline.artifacts.locks import try_lock
+from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest, verify_files
 from pipeline.artifacts.names import check_name
+from pipeline.artifacts.normalise import rewrite_base_model
 from pipeline.artifacts.volume import (
     STAGING,
-    adapter_lock_path,
-    check_free_space,
     check_writable,
+    clear_debris,
     copy_tree,
-    os_failure,
-    staging_dir,
-    staging_owner,
+    staged_version,
     tree_size,
     verify_version_dir,
     version_dir,
@@ -115,39 +111,6 @@ def check_served_name(cfg: ProjectConfig, name: str) -> None:
 
 
 # -- the volume ---------------------------------------------------------------------------------------
-STALE_UNKNOWN_S = 3600  # `.staging/` entries that name no adapter: removed when this old
-
-
-def clear_debris(root: Path, volume: Path) -> list[Path]:
-    """Remove entries of `root` (`<volume>/.staging` or `<state_dir>/tmp`) left by killed publishes.
-
-    An entry belongs to an adapter (`staging_owner`); it is debris when nobody holds that adapter's
-    lock (a live publish holds it from before it stages until after the rename), so a concurrent
-    publish of another adapter is never disturbed. Entries naming no adapter are removed once an
-    hour old. Returns the removed paths.
-    """
-    removed: list[Path] = []
-    if not Path(root).is_dir():
-        return removed
-    for entry in sorted(Path(root).iterdir()):
-        owner = staging_owner(entry.name)
-        try:
-            if owner is None:
-                if time.time() - entry.lstat().st_mtime > STALE_UNKNOWN_S:
-                    rmtree(entry) if entry.is_dir() else entry.unlink()
-                    removed.append(entry)
-                continue
-            with try_lock(adapter_lock_path(volume, owner)) as free:
-                if free:
-                    rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-                    removed.append(entry)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise os_failure(e, "cannot remove staging debris", entry) from e
-    return removed
-
-
 def _clear_all_debris(cfg: ProjectConfig, volume: Path) -> Path:
     """`clear_debris` on the volume's staging area and the local download area; returns the latter."""
     tmp_root = Path(cfg.state_dir) / "tmp"
@@ -156,16 +119,11 @@ def _clear_all_debris(cfg: ProjectConfig, volume: Path) -> Path:
     return tmp_root
 
 
-def _rmdir_if_empty(*dirs: Path) -> None:
-    for d in dirs:
-        try:
-            d.rmdir()  # only when empty: a concurrent publish may be staging
-        except OSError:
-            pass
-
-
 def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None) -> tuple[Path, bool]:
     """Write `<volume>/<name>-v<N>/` from the registry; returns (path, created). Call holding the adapter lock.
+
+    The policy of what goes onto the volume; how it is written is `staged_version`, what is
+    changed in the adapter on the way is `pipeline.artifacts.normalise`.
 
     Raises PublishError (the artifact or an existing directory fails its manifest, or the existing
     directory came from another registry entry: `origin`), CheckFailed (not validated for these
@@ -203,34 +161,15 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
             )
         check_publishable(mv, manifest["files"].get("adapter_model.safetensors", ""))
         need, nfiles = tree_size(src)
-        stage_root = staging_dir(volume, name)
-        try:
-            stage_root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise os_failure(e, "cannot create the staging directory", stage_root) from e
-        try:
-            check_free_space(stage_root, need, nfiles)  # before copying: a full volume gets no partial copy
-            work = Path(tempfile.mkdtemp(prefix=f"v{version}.", dir=stage_root))
-        except OSError as e:
-            _rmdir_if_empty(stage_root, volume / STAGING)
-            raise os_failure(e, "cannot create a staging directory in", stage_root) from e
-        except BaseException:
-            _rmdir_if_empty(stage_root, volume / STAGING)
-            raise
-        try:
-            stage = work / "adapter"
-            copy_tree(src, stage)
+        with staged_version(volume, name, version, need, nfiles, checkpoint) as st:
+            copy_tree(src, st.path)
             checkpoint("after-copy")
             # re-validate if the verdict's binding changed; rename keys / fold patterns for the fleet's vLLM (parity proven)
-            for key, value in prepare_for_fleet(cfg, mv.tags or {}, stage).items():
+            for key, value in prepare_for_fleet(cfg, mv.tags or {}, st.path).items():
                 manifest[key] = {**manifest.get(key, {}), **value}
-            acfg_path = stage / "adapter_config.json"
-            acfg = json.loads(acfg_path.read_text())
-            original = acfg.get("base_model_name_or_path")
-            acfg["base_model_name_or_path"] = cfg.served.model
-            acfg_path.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+            original = rewrite_base_model(st.path, cfg.served.model)
             manifest["registered_files"] = manifest["files"]
-            manifest["files"] = file_hashes(stage)
+            manifest["files"] = file_hashes(st.path)
             manifest["published"] = {
                 "name": name,
                 "version": version,
@@ -240,24 +179,8 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
                 or {"tracking_uri": redact_uri(cfg.tracking_uri), "source": mv.source, "run_id": mv.run_id},
                 "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             }
-            # The manifest goes in last, then the whole directory appears at once.
-            write_json_atomic(stage / MANIFEST, manifest)
-            seal_tree(stage)
-            checkpoint("before-rename")
-            try:
-                os.rename(stage, target)
-            except OSError as e:
-                if target.exists():  # written meanwhile by a pipeline not holding this lock (older version)
-                    return target, False
-                raise os_failure(e, f"cannot move {stage} to", target) from e
-            os.chmod(target, 0o555)
-            fsync_dir(volume)
-            return target, True
-        except OSError as e:
-            raise os_failure(e, "cannot write the version directory", work) from e
-        finally:
-            rmtree(work)
-            _rmdir_if_empty(stage_root, volume / STAGING)
+            write_json_atomic(st.path / MANIFEST, manifest)  # the manifest last
+        return st.target, st.created
 
 
 # -- the transaction -------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def validate_adapter(
             compare eval loss and greedy canary outputs (`pipeline.validate.behaviour`).
         validation_files: chat JSONL for the behaviour eval (default: the manifest's validation files).
         fold_rslora: first rewrite an rsLoRA adapter_config.json in place to plain scaling
-            (`pipeline.validate.normalise.fold_rslora`; warning `config.rslora_folded`, or error
+            (`pipeline.artifacts.normalise.fold_rslora`; warning `config.rslora_folded`, or error
             `config.rslora_parity` and nothing written if any module's scale would change).
         allow: check ids whose refusal is overridden (`serving.version_unknown`).
         require_base: no base is an error (`base.missing`).

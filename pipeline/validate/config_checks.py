@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 from pipeline.artifacts.adapter import config_problems, pattern_value
+from pipeline.artifacts.normalise import ParityError, fold_rslora
 from pipeline.artifacts.peft_match import matching_entries
 from pipeline.errors import PipelineError
 from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, PLAIN_INITS
-from pipeline.validate.normalise import ParityError, fold_rslora
 from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")

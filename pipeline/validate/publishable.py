@@ -19,10 +19,10 @@ from pathlib import Path
 
 from pipeline.artifacts.checkpoint import read_checkpoint
 from pipeline.artifacts.hashing import sha256_file
+from pipeline.artifacts.normalise import ParityError, normalise_for_serving
 from pipeline.errors import CheckFailed
 from pipeline.serving.versions import UnknownVllmVersion, rules_for
 from pipeline.validate import default_base, validate_adapter
-from pipeline.validate.normalise import ParityError, normalise_for_serving
 from pipeline.validate.report import FleetRules
 from pipeline.validate.rules import rules_version
 

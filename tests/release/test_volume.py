@@ -92,12 +92,12 @@ def test_full_volume_is_refused_before_copying(tmp_path, tmpfs, release_adapters
 def test_volume_filling_up_mid_copy_leaves_nothing_partial(tmp_path, tmpfs, release_adapters, monkeypatch):
     """Sibling: the space was there at the check and is gone during the copy (another writer): the
     kernel's ENOSPC becomes a VolumeError, the staging copy and the record are removed."""
-    import pipeline.release.publish as pub
+    import pipeline.artifacts.volume as vol
 
     mnt = tmpfs("300k")
     cfg = new_project(tmp_path / "p", volume={"path": str(mnt / "volume")})
     register_versions(cfg, "midcopy", release_adapters, 1)
-    monkeypatch.setattr(pub, "check_free_space", lambda *a, **k: None)  # pretend it fit when checked
+    monkeypatch.setattr(vol, "check_free_space", lambda *a, **k: None)  # pretend it fit when checked
     with pytest.raises(VolumeError, match="No space left"):
         publish(cfg, "midcopy", version=1)
     s = snapshot(cfg, "midcopy")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.artifacts.adapter import WEIGHTS_FILE
+from pipeline.artifacts.normalise import ParityError, normalise_for_serving
 from pipeline.artifacts.safetensors import file_metadata, read_safetensors_header
 from pipeline.serving.versions import VL_CLASS, rules_for
 from pipeline.validate import FleetRules, validate_adapter
-from pipeline.validate.normalise import ParityError, normalise_for_serving
 from tests.support.helpers import peft_adapter, write_project_config
 from tests.validate.cases import edit_tensors
 from tests.validate.test_validate import good_adapter, only  # noqa: F401 (fixture)

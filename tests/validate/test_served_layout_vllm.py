@@ -47,9 +47,9 @@ def _load(server, name: str, path: Path) -> None:
 def test_text_layout_keys_never_apply_on_the_vl_class_and_the_renamed_copy_does(
     tiny_base, tiny_vl_base, tmp_path
 ):
+    from pipeline.artifacts.normalise import normalise_for_serving
     from pipeline.serving.versions import VL_CLASS, rules_for
     from pipeline.validate import FleetRules, validate_adapter
-    from pipeline.validate.normalise import normalise_for_serving
 
     text = peft_adapter(tiny_base, tmp_path / "text", r=8, alpha=16, b_std=0.5, seed=3)
     rep = validate_adapter(text, tiny_vl_base, FleetRules(served_path=tiny_vl_base, vllm_version="0.32.0"))

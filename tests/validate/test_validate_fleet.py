@@ -109,7 +109,7 @@ def test_training_template_comes_from_the_resolved_axolotl_config(
 def test_fold_rslora_keeps_every_scale(adapter, tiny_vl_base):
     from pipeline.artifacts.adapter import load_adapter_config
     from pipeline.artifacts.manifest import file_hashes, read_manifest, verify_files
-    from pipeline.validate.normalise import module_names, scale_table
+    from pipeline.artifacts.normalise import module_names, scale_table
 
     edit_config(
         adapter, use_rslora=True, alpha_pattern={"down_proj": 64, "model.layers.3.self_attn.q_proj": 4}
@@ -136,7 +136,7 @@ def test_fold_rslora_keeps_every_scale(adapter, tiny_vl_base):
 
 
 def test_fold_handles_overlapping_patterns():
-    from pipeline.validate.normalise import fold_config, scale_table
+    from pipeline.artifacts.normalise import fold_config, scale_table
 
     raw = {
         "r": 8,

@@ -1,8 +1,10 @@
-"""Normalise an adapter so the fleet serves exactly what was trained, proving parity each time.
+"""Every rewrite of an adapter's files: what is changed in an adapter on its way to the fleet, and how it is proven.
 
-`fold_rslora` (`pipeline validate --fold-rslora`), and for publish `normalise_for_serving`: keys renamed to
-the served layout, rank_pattern/alpha_pattern folded into lora_B for a vLLM that ignores them, safetensors
-`format` metadata. The rsLoRA fold:
+Publish changes the staging copy (never the registered artifact) with `normalise_for_serving` (keys renamed
+to the served layout, rank_pattern/alpha_pattern folded into lora_B for a vLLM that ignores them, safetensors
+`format` metadata; each parity-proven) and `rewrite_base_model` (`base_model_name_or_path` set to the fleet's
+`vllm serve` model string; the original is kept in the manifest). `fold_rslora` is `pipeline validate
+--fold-rslora`. The rsLoRA fold:
 
 rsLoRA scales a module's update by `alpha / sqrt(r)`, plain LoRA by `alpha / r` (peft's
 LoraLayer, vllm/lora/peft_helper.py). Folding sets `lora_alpha' = alpha * sqrt(r)` (and the
@@ -30,6 +32,7 @@ from pipeline.artifacts.adapter import (
     load_adapter_config,
     parse_key,
     pattern_value,
+    read_adapter_config,
 )
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
@@ -322,3 +325,18 @@ def normalise_for_serving(adapter_dir: Path, architecture: str | None, rng) -> d
     if rec := ensure_format_metadata(adapter_dir):
         out["safetensors_metadata"] = rec
     return out
+
+
+def rewrite_base_model(adapter_dir: Path, served_model: str) -> str | None:
+    """Set `base_model_name_or_path` in `adapter_config.json` to `served_model` (the string given to
+    `vllm serve`, which vLLM compares it with); returns the original value. No weights are touched.
+
+    Raises OSError / ValueError for an unreadable config (the caller's copy was verified before).
+    """
+    path = Path(adapter_dir) / CONFIG_FILE
+    acfg = read_adapter_config(adapter_dir).raw
+    original = acfg.get("base_model_name_or_path")
+    path.write_text(
+        json.dumps({**acfg, "base_model_name_or_path": served_model}, indent=2, sort_keys=True) + "\n"
+    )
+    return original
