@@ -5,14 +5,14 @@ Exit codes: 0 pass, 1 canary failed (or could not run on the instance), 2 usage,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pipeline import canary as cn
-from pipeline.cli._common import JsonOption, adapter_name, exit_as, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, exit_as, project_config
+from pipeline.cli.render import Column, NoHeadersOption, Output, OutputOption, output_format, print_rows
 from pipeline.errors import CheckFailed, FleetError, UsageError
 from pipeline.fleet.client import InstanceError, Unreachable
 from pipeline.validate import default_base
@@ -24,46 +24,52 @@ def _fmt(x, spec: str = ".3f", unit: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{unit}"
 
 
-def render(res) -> None:
-    from rich.console import Console
-    from rich.table import Table
+CANARY_COLUMNS = (
+    Column("RUN", lambda r: r["run"]),
+    Column("TOKEN_AGREEMENT", lambda r: r["agreement"]),
+    Column("FIRST_DIVERGENCE", lambda r: r["divergence"]),
+    Column("MAX_LOGPROB_DIFF", lambda r: r["logprob"]),
+    Column("ACCEPTANCE_RATE", lambda r: r["rate"]),
+    Column("ACCEPTANCE_LENGTH", lambda r: r["length"]),
+    Column("TIME_PER_TOKEN", lambda r: r["tpot"]),
+)
 
-    con = Console()
-    t = Table(title=f"canary: {res.adapter} on {res.staging} ({res.served.get('engine_model')})")
-    for col in (
-        "",
-        "token agreement",
-        "first divergence",
-        "max logprob diff",
-        "acceptance rate",
-        "acceptance length",
-        "time/token",
-    ):
-        t.add_column(col)
+
+def render(res, fmt: Output = Output.table, no_headers: bool = False) -> None:
+    """One line for the base and one for the adapter, then (for people) ratios, notes, problems, verdict."""
+    if fmt is Output.json:
+        return emit_json(res.to_dict())
+    rows = []
     for k in ("base", "adapter"):
         p, s = res.parity[k], res.speed[k]
-        t.add_row(
-            k,
-            f"{p.agreement:.3f} ({p.exact}+{p.tied}/{p.positions})",
-            "none" if p.first_divergence is None else f"{p.first_divergence} ({p.first_divergence_prompt})",
-            f"{p.max_logprob_diff:.4f}",
-            _fmt(s.acceptance_rate),
-            _fmt(s.mean_acceptance_length, ".2f"),
-            "n/a" if s.tpot_s is None else f"{s.tpot_s * 1000:.1f} ms",
+        rows.append(
+            {
+                "run": k,
+                "agreement": f"{p.agreement:.3f}({p.exact}+{p.tied}/{p.positions})",
+                "divergence": "none"
+                if p.first_divergence is None
+                else f"{p.first_divergence}@{p.first_divergence_prompt}",
+                "logprob": f"{p.max_logprob_diff:.4f}",
+                "rate": _fmt(s.acceptance_rate),
+                "length": _fmt(s.mean_acceptance_length, ".2f"),
+                "tpot": "n/a" if s.tpot_s is None else f"{s.tpot_s * 1000:.1f}ms",
+            }
         )
-    con.print(t)
-    con.print(
-        f"speed ratio (adapter/base) {_fmt(res.speed_ratio, '.2f')}  acceptance ratio "
-        f"{_fmt(res.acceptance_ratio, '.2f')}  tolerance {res.tolerance}  prompts {len(res.prompts)}  "
-        f"served {res.served.get('checkpoint')}@{res.served.get('revision') or '-'} "
-        f"(vLLM {res.served.get('vllm_version')})",
-        highlight=False,
+    print_rows(rows, CANARY_COLUMNS, fmt, no_headers=no_headers)
+    if fmt in (Output.tsv, Output.name):
+        return
+    typer.echo(
+        f"canary: {res.adapter} on {res.staging} ({res.served.get('engine_model')}): speed ratio "
+        f"(adapter/base) {_fmt(res.speed_ratio, '.2f')}  acceptance ratio {_fmt(res.acceptance_ratio, '.2f')}  "
+        f"tolerance {res.tolerance}  prompts {len(res.prompts)}  served "
+        f"{res.served.get('checkpoint')}@{res.served.get('revision') or '-'} (vLLM {res.served.get('vllm_version')})"
     )
     for n in res.notes:
-        con.print(f"[cyan]note:[/] {n}", highlight=False)
+        typer.echo(f"note: {n}")
     for p in res.problems:
-        con.print(f"[red]problem:[/] {p}", highlight=False)
-    con.print(f"verdict: [bold {'green' if res.verdict == 'pass' else 'red'}]{res.verdict}[/]")
+        typer.echo(f"problem: {p}")
+    color = "green" if res.verdict == "pass" else "red"
+    typer.echo(f"verdict: {typer.style(res.verdict, fg=color, bold=True)}")
 
 
 @app.command()
@@ -89,6 +95,8 @@ def canary(
     ] = None,
     record: Annotated[bool, typer.Option(help="record the result on the model version")] = True,
     as_json: JsonOption = False,
+    output: OutputOption = None,
+    no_headers: NoHeadersOption = False,
 ):
     """Parity with PEFT and spec-decode speed of an adapter on a staging vLLM.
 
@@ -105,6 +113,7 @@ def canary(
     cfg = project_config(
         store="any" if Path(adapter).is_dir() else "existing", what=f"registered model {adapter!r}"
     )
+    fmt = output_format(output, as_json)
     files = list(validation) or None
     try:
         if Path(adapter).is_dir():
@@ -127,8 +136,5 @@ def canary(
         raise FleetError(f"staging instance unreachable: {e}") from e
     except InstanceError as e:
         raise cn.CanaryError(f"staging instance error: {e}") from e
-    if as_json:
-        typer.echo(json.dumps(res.to_dict(), indent=2, default=str))
-    else:
-        render(res)
+    render(res, fmt, no_headers)
     exit_as(CheckFailed, res.verdict != "pass")

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, log, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, project_config
+from pipeline.cli.render import Column, Output, print_rows
 from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.tinybase import build_tiny_base
@@ -75,6 +76,11 @@ def demo(
 
     Stages: tiny base, dataset check + axolotl training, validate, register (sqlite MLflow), publish.
     """
-    summary = run_demo(project_config(), name=name, axolotl_config=config, echo=log.info, table=not as_json)
+    summary = run_demo(project_config(), name=name, axolotl_config=config)
     if as_json:
-        emit_json(summary)
+        return emit_json(summary)
+    rows = [{"field": k, "value": v} for k, v in summary.items() if k not in ("seconds", "version")]
+    rows += [{"field": f"seconds {k}", "value": round(v, 1)} for k, v in summary["seconds"].items()]
+    print_rows(
+        rows, (Column("FIELD", lambda r: r["field"]), Column("VALUE", lambda r: r["value"])), Output.table
+    )

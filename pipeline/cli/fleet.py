@@ -12,7 +12,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, exit_as, finite, project_config
+from pipeline.cli._common import JsonOption, adapter_name, exit_as, finite, log, project_config
+from pipeline.cli.render import NoHeadersOption, Output, OutputOption, output_format, print_fleet
 from pipeline.errors import FleetError, LockedError
 from pipeline.fleet.modes import loading_mode, resolve_served_name
 from pipeline.fleet.reconcile import CONVERGED
@@ -35,7 +36,7 @@ def print_reports(reports, as_json: bool = False) -> None:
 
 
 @app.command("status")
-def status(as_json: JsonOption = False):
+def status(as_json: JsonOption = False, output: OutputOption = None, no_headers: NoHeadersOption = False):
     """Per instance: what it serves against the desired state (ok, missing, stale, unknown, hung...).
 
     States: ok, missing, stale, extra (loaded, not desired), unknown (marked: a change got no
@@ -43,43 +44,18 @@ def status(as_json: JsonOption = False):
     mismatch (vLLM version or model differs from the config), error. Also (instance `-`): `drift`
     between the `production` alias and fleet-state.json or an unfinished transaction, `corrupt` or
     `absent` desired version directories. Exit 0 when every instance serves every desired version
-    and nothing drifts, else 4.
+    and nothing drifts, else 4. One line per row (`-o table|wide|json|tsv|name`, `--no-headers`).
     """
     cfg = project_config()
     rows = (fleet_status(cfg) if cfg.fleet.instances else []) + volume_rows(cfg)
-    if as_json:
-        typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
-    else:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
+    fmt = output_format(output, as_json)
+    if fmt is not Output.json:
         mode = loading_mode(cfg)
         swap = f", {mode.plan.strategy} swap" if hasattr(mode, "plan") else ""
-        t = Table(title=f"fleet ({mode.name} mode{swap}, state {cfg.volume.path}/fleet-state.json)")
-        for col in ("instance", "vLLM", "adapter", "desired", "serving", "state", "detail"):
-            t.add_column(col, overflow="fold")
-        colors = {
-            "ok": "green",
-            "missing": "yellow",
-            "stale": "yellow",
-            "extra": "cyan",
-            "unknown": "magenta",
-            "drift": "bold red",
-        }
-        for r in rows:
-            t.add_row(
-                escape(r.instance),
-                escape(r.vllm or "-"),
-                escape(r.adapter or "-"),
-                f"v{r.desired}" if r.desired else "-",
-                escape(r.serving or "-"),
-                f"[{colors.get(r.state, 'red')}]{r.state}[/]",
-                escape(r.detail),
-            )
-        Console().print(t)
+        log.info("fleet: %s mode%s, state %s/fleet-state.json", mode.name, swap, cfg.volume.path)
         if not cfg.fleet.instances:
-            typer.echo("no fleet instances configured (fleet.instances): volume and registry checks only")
+            log.info("no fleet instances configured (fleet.instances): volume and registry checks only")
+    print_fleet([asdict(r) for r in rows], fmt, no_headers)
     exit_as(FleetError, any(r.state not in CONVERGED for r in rows))
 
 

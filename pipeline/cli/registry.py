@@ -10,10 +10,11 @@ import typer
 
 from pipeline import registry
 from pipeline.cli._common import JsonOption, adapter_name, emit_json, err, exit_as, log, project_config
+from pipeline.cli.render import NoHeadersOption, OutputOption, output_format, print_status
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.registry.read import read_models
 from pipeline.registry.ui import model_url, start
-from pipeline.release.status import collect, render
+from pipeline.release.status import collect
 from pipeline.validate import validate_with_config
 
 app = typer.Typer()
@@ -75,18 +76,18 @@ def status(
         str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name)
     ] = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
+    no_headers: NoHeadersOption = False,
     fleet: Annotated[bool, typer.Option(help="ask the fleet's instances what they serve")] = True,
 ):
     """Versions, aliases, verdicts, published paths and what instances serve.
 
     Versions, aliases, validation verdict, gate outcome, published path and what each instance
     serves. Reads the registry without starting MLflow (docs/registry.md, "Speed") and never
-    creates a store: outside a project it says so (exit 2)."""
-    data = collect(project_config(store="read"), name, fleet=fleet)
-    if as_json:
-        emit_json(data)
-    else:
-        render(data)
+    creates a store: outside a project it says so (exit 2). One line per version
+    (`-o table|wide|json|tsv|name`, `--no-headers`); drift and fleet problems on stderr."""
+    fmt = output_format(output, as_json)
+    print_status(collect(project_config(store="read"), name, fleet=fleet), fmt, no_headers)
 
 
 def _end_on_signals() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +9,16 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, exit_as, project_config
+from pipeline.cli._common import JsonOption, emit_json, exit_as, project_config
+from pipeline.cli.render import (
+    FINDING_COLUMNS,
+    STAT_COLUMNS,
+    NoHeadersOption,
+    Output,
+    OutputOption,
+    output_format,
+    print_rows,
+)
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.validate import RULES, default_base, validate_with_config
 
@@ -105,36 +113,26 @@ def flatten_stats(stats: dict, prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
-def render_report(rep, console=None) -> None:
-    """The findings as one table (identical findings grouped: count and places), the stats as a
-    table, and the verdict line."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    con = console or Console()
-    colors = {"error": "red", "warning": "yellow", "info": "cyan"}
-    groups = group_findings(rep.checks)
-    if groups:
-        t = Table(title=f"validation: {rep.adapter}", show_lines=False)
-        for col in ("check", "severity", "n", "where", "message"):
-            t.add_column(col, overflow="fold")
-        for g in groups:
-            color = colors.get(g.severity, "white")
-            t.add_row(g.id, f"[{color}]{g.severity}[/]", str(g.count), escape(g.where()), escape(g.message))
-        con.print(t)
+def render_report(rep, fmt: Output = Output.table, no_headers: bool = False) -> None:
+    """The findings, identical ones grouped (count and places), one line each; then, for people
+    (`table`, `wide`), the stats and the verdict line. `tsv`/`name` print the finding rows only."""
+    if fmt is Output.json:
+        return emit_json(rep.to_dict())
+    groups = [
+        {"id": g.id, "severity": g.severity, "count": g.count, "where": g.where(), "message": g.message}
+        for g in group_findings(rep.checks)
+    ]
+    print_rows(groups, FINDING_COLUMNS, fmt, no_headers=no_headers, name=lambda r: r["id"])
+    if fmt in (Output.tsv, Output.name):
+        return
     stats = flatten_stats(rep.stats or {})
     if stats:
-        st = Table(title="stats", show_header=True)
-        st.add_column("stat")
-        st.add_column("value", overflow="fold")
-        for k, v in stats:
-            st.add_row(escape(k), escape(v))
-        con.print(st)
-    n_err = sum(g.count for g in groups if g.severity == "error")
-    n_warn = sum(g.count for g in groups if g.severity == "warning")
-    con.print(
-        f"verdict: [bold {'green' if rep.passed else 'red'}]{rep.verdict}[/]  "
+        typer.echo("")
+        print_rows([{"stat": k, "value": v} for k, v in stats], STAT_COLUMNS, fmt, no_headers=no_headers)
+    n_err = sum(g["count"] for g in groups if g["severity"] == "error")
+    n_warn = sum(g["count"] for g in groups if g["severity"] == "warning")
+    typer.echo(
+        f"verdict: {typer.style(rep.verdict, fg='green' if rep.passed else 'red', bold=True)}  "
         f"({n_err} error(s), {n_warn} warning(s) in {len(groups)} distinct finding(s))"
     )
 
@@ -171,8 +169,13 @@ def validate(
         typer.Option("--allow", help="check id whose refusal to override, e.g. serving.version_unknown"),
     ] = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
+    no_headers: NoHeadersOption = False,
 ):
-    """Check an adapter against the base, the served checkpoint and the fleet. Exit 0 pass, 1 fail, 2 usage."""
+    """Check an adapter against the base, the served checkpoint and the fleet. Exit 0 pass, 1 fail, 2 usage.
+
+    One line per distinct finding (`-o table|wide|json|tsv|name`, `--no-headers`)."""
+    fmt = output_format(output, as_json)
     cfg = project_config()
     if not adapter.is_dir():
         raise UsageError(f"{adapter}: adapter directory not found")
@@ -195,8 +198,5 @@ def validate(
         fold_rslora=fold_rslora,
         allow=set(allow or ()),
     )
-    if as_json:
-        typer.echo(json.dumps(rep.to_dict(), indent=2))
-    else:
-        render_report(rep)
+    render_report(rep, fmt, no_headers)
     exit_as(CheckFailed, not rep.passed)

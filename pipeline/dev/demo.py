@@ -6,6 +6,7 @@ tiny base -> dataset check + axolotl training -> validate -> register (sqlite ML
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -16,19 +17,18 @@ from pipeline.release.publish import publish
 from pipeline.train.launch import train
 from pipeline.validate import validate_with_config
 
+log = logging.getLogger(__name__)
 
-def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print, table: bool = True) -> dict:
-    """Run every stage; returns the summary dict (printed as a table unless `table` is False).
+
+def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path) -> dict:
+    """Run every stage; returns the summary (`pipeline demo` prints it). Progress is logged.
 
     Raises the stage's error on failure."""
-    from rich.console import Console
-    from rich.table import Table
-
     times: dict[str, float] = {}
     base_dir = cfg.state_dir / "tiny-base"
     t = time.time()
     if not (base_dir / "config.json").exists():
-        echo(f"building tiny base in {base_dir}")
+        log.info("building tiny base in %s", base_dir)
         build_tiny_base(base_dir)
     times["tiny base"] = time.time() - t
 
@@ -38,7 +38,7 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print, ta
         axolotl_config,
         overrides=[f"base_model={base_dir}", f"dataset_prepared_path={cfg.state_dir / 'prepared'}"],
         name=name,
-        echo=echo,
+        echo=log.info,
         show_progress=True,  # a bar on a terminal, log lines otherwise
     )
     times["train"] = time.time() - t
@@ -64,17 +64,10 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path, echo=print, ta
         "published path": str(pub.path),
         "tracking uri": cfg.tracking_uri,
     }
-    if table:
-        t = Table(title="lora-pipeline demo")
-        t.add_column("field")
-        t.add_column("value", overflow="fold")
-        for k, v in rows.items():
-            t.add_row(k, str(v))
-        for k, v in times.items():
-            t.add_row(f"seconds: {k}", f"{v:.1f}")
-        Console(stderr=False).print(t)
-    echo(
-        f"MLflow UI: `.venv/bin/pipeline ui --name {name}` (serves this store on 127.0.0.1 and prints the "
-        f"model page URL); `.venv/bin/pipeline status {name}` for the same facts in the terminal"
+    log.info(
+        "MLflow UI: `.venv/bin/pipeline ui --name %s` (serves this store on 127.0.0.1 and prints the "
+        "model page URL); `.venv/bin/pipeline status %s` for the same facts in the terminal",
+        name,
+        name,
     )
     return {**rows, "seconds": times, "version": reg.version}

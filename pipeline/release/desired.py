@@ -42,7 +42,8 @@ def desired_drift(
     else:
         todo = sorted(set(names) if names else set(production) | set(state.adapters))
         production = {n: production.get(n) for n in todo}
-    rows = drift(state, production)
+    # only the adapters asked about: `status b` must not report that `a` has no `production`
+    rows = [d for d in drift(state, production) if d.adapter in todo]
     pending = {p.stem for p in (vol / TXN).glob("*.json")} if (vol / TXN).is_dir() else set()
     for n in sorted(pending & set(todo) if names else pending):
         intent = load_intent(vol, n)
@@ -96,7 +97,7 @@ def volume_rows(
     rows: list[StatusRow] = []
     try:
         for d in desired_drift(cfg, names, production):
-            serving = f"production v{d.production}" if d.production is not None else "production -"
+            serving = f"production=v{d.production}" if d.production is not None else "production=-"
             rows.append(StatusRow("-", d.adapter, d.desired, serving, "drift", d.message))
     except PipelineError as e:
         rows.append(StatusRow("-", None, None, None, "error", f"drift not checked: {e}"))

@@ -1,11 +1,12 @@
-"""`pipeline status`: versions, aliases, validation, gate, published path and fleet serving, in one view.
+"""`pipeline status`: versions, aliases, validation, gate, published path and fleet serving, as data.
 
 The registry part is read without importing mlflow (`pipeline.registry.read`: the sqlite file
 read-only, SQL through SQLAlchemy, or the server's REST API), so the command answers in about a
 second; an embedded store that does not exist yet reads as empty and is not created. The fleet
 part comes from `pipeline.fleet.reconcile.status` (HTTP to each configured instance) when
 `fleet.instances` is configured; otherwise the column stays empty. A fleet that cannot be read
-never fails the command: its error is shown (and given in `fleet_error`).
+never fails the command: its error is shown (and given in `fleet_error`). `pipeline.cli.render`
+prints it; nothing here prints.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
             f"registered model {name!r} not found in {redact_uri(cfg.tracking_uri)} (have: {have})"
         )
     fleet_rows, fleet_error = _fleet_rows(cfg) if fleet else (None, None)
+    if name and fleet_rows is not None:  # another adapter's rows are not this model's status
+        fleet_rows = [r for r in fleet_rows if r.get("adapter") in (None, name)]
     models = []
     for rec in records:
         n = rec.name
@@ -140,83 +143,3 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
         "fleet_error": fleet_error,
         "volume": volume,
     }
-
-
-def _canary_cell(c: dict | None) -> str:
-    """`pass agree 1.000 AL 2.10/3.21 speed x0.49`: verdict, token agreement, acceptance length adapter/base, speed."""
-    if not c:
-        return ""
-    color = {"pass": "green", "fail": "red"}.get(c.get("verdict"), "yellow")
-    parts = [f"[{color}]{c.get('verdict')}[/]", f"agree {c.get('token_agreement')}"]
-    if c.get("acceptance_length"):
-        parts.append(f"AL {c['acceptance_length']}/{c.get('base_acceptance_length')}")
-    if c.get("speed_ratio"):
-        parts.append(f"speed x{c['speed_ratio']}")
-    return " ".join(parts)
-
-
-def _gate_cell(g: dict | None) -> str:
-    """`pass`, or `gated: <reason>` in red."""
-    if not g:
-        return ""
-    if g.get("verdict") == "pass":
-        return "[green]pass[/]"
-    from rich.markup import escape
-
-    reason = escape(g.get("reason") or "")
-    return f"[red]{g.get('verdict')}[/]" + (f": {reason}" if reason else "")
-
-
-def render(data: dict, console=None) -> None:
-    """One rich table: a row per model version."""
-    from rich.console import Console
-    from rich.table import Table
-
-    con = console or Console()
-    t = Table(title=f"registry: {data['tracking_uri']}")
-    for col in (
-        "model",
-        "version",
-        "aliases",
-        "validation",
-        "gate",
-        "eval loss",
-        "canary",
-        "published path",
-        "serving",
-        "created",
-    ):
-        t.add_column(col, overflow="fold")
-    colors = {"pass": "green", "fail": "red"}
-    for m in data["models"]:
-        for r in m["versions"]:
-            verdict = r["verdict"] or "?"
-            serving = ", ".join(
-                s["instance"] + ("" if s.get("state") in (None, "ok") else f" ({s['state']})")
-                for s in r["serving"]
-            )
-            t.add_row(
-                m["name"],
-                str(r["version"]),
-                ", ".join(r["aliases"]),
-                f"[{colors.get(verdict, 'yellow')}]{verdict}[/]",
-                _gate_cell(r.get("gate")),
-                "" if r["eval_loss"] is None else f"{r['eval_loss']:.4g}",
-                _canary_cell(r.get("canary")),
-                r["published_path"] or "",
-                serving,
-                r["created"],
-            )
-    if not data["models"]:
-        what = "" if data.get("store_exists", True) else " (no store yet: nothing was registered)"
-        con.print(f"no registered models in {data['tracking_uri']}{what}", highlight=False, markup=False)
-        return
-    con.print(t)
-    for r in data.get("fleet") or []:
-        if r.get("state") not in ("ok", None) and not r.get("serving"):
-            what = " ".join(str(x) for x in (r.get("adapter"), r["state"], r.get("detail")) if x)
-            con.print(f"fleet: {r['instance']}: {what}", highlight=False, markup=False)
-    if data.get("fleet_error"):
-        con.print(f"[yellow]fleet not read:[/] {data['fleet_error']}")
-    for r in data.get("volume") or []:
-        con.print(f"[bold red]{r['state']}:[/] " + r["detail"].replace("[", "\\["), highlight=False)

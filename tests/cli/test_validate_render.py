@@ -3,8 +3,6 @@
 import subprocess
 import sys
 
-from rich.console import Console
-
 from pipeline.cli.validate import flatten_stats, group_findings, render_report
 from pipeline.findings import Finding
 from pipeline.validate import ValidationReport
@@ -65,7 +63,7 @@ def test_different_findings_stay_apart():
     assert [g.count for g in group_findings(fs)] == [3, 1, 1]
 
 
-def test_stats_render_as_a_table_not_a_dict():
+def test_stats_render_as_a_table_not_a_dict(capsys):
     rep = ValidationReport(adapter="a", findings=_rank_findings())
     rep.stats = {
         "lora_modules": 25,
@@ -73,9 +71,8 @@ def test_stats_render_as_a_table_not_a_dict():
         "served": {"quant_algo": "NVFP4"},
     }
     assert ("update_norm_median.self_attn.q_proj", "2.99271") in flatten_stats(rep.stats)
-    con = Console(record=True, width=200)
-    render_report(rep, con)
-    out = con.export_text()
+    render_report(rep)
+    out = capsys.readouterr().out
     assert "{" not in out and "served.quant_algo" in out and "NVFP4" in out
     assert out.count("fleet.rank") == 1 and "25 error(s)" in out
 

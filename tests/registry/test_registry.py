@@ -332,10 +332,12 @@ def test_using_one_store_does_not_redirect_the_next_config(registry_project, tmp
     assert str(tmp_path) in other.tracking_uri
 
 
-def test_status_survives_an_unreachable_fleet(registry_project, two_adapters, tiny_base):
+def test_status_survives_an_unreachable_fleet(registry_project, two_adapters, tiny_base, capsys):
     """The fleet column comes from the instances; one that refuses connections is reported, not fatal."""
     from pipeline.config import Instance
-    from pipeline.release.status import collect, render
+    from pipeline.cli._common import setup_logging
+    from pipeline.cli.render import Output, print_status
+    from pipeline.release.status import collect
 
     cfg = registry_project.model_copy(deep=True)
     cfg.fleet.instances = [Instance(name="i0", url=f"http://127.0.0.1:{free_port()}")]
@@ -346,12 +348,10 @@ def test_status_survives_an_unreachable_fleet(registry_project, two_adapters, ti
     assert data["models"][0]["versions"][0]["serving"] == []
     fleet_states = {r["state"] for r in data["fleet"] or []}
     assert fleet_states == {"unreachable"} or data["fleet_error"], data
-    from rich.console import Console
-
-    con = Console(record=True, width=250)
-    render(data, con)
-    out = con.export_text()
-    assert name in out and "i0" in out
+    setup_logging()  # messages on this test's stderr
+    print_status(data, Output.table)
+    out, err = capsys.readouterr()
+    assert name in out and "i0" in err  # the row on stdout, the unreachable instance on stderr
 
 
 def test_fleet_sync_follow_alias_cli_ships_the_moved_alias(registry_project, two_adapters, tiny_base):

@@ -128,7 +128,7 @@ def test_outside_a_project_nothing_is_created(tmp_path):
 def test_project_without_a_store_reads_empty_and_stays_so(tmp_path):
     (tmp_path / "pipeline.yaml").write_text("fleet: {max_lora_rank: 16}\n")
     r = _pipeline("status", cwd=tmp_path)
-    assert r.returncode == 0 and "no registered models" in r.stdout, r.stderr
+    assert r.returncode == 0 and "no registered models" in r.stderr and r.stdout == "", r.stderr
     r = _pipeline("publish", "x", "--version", "1", cwd=tmp_path)
     assert r.returncode == 2 and "no registry yet" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipeline.yaml"]

@@ -66,7 +66,7 @@ def test_alias_moved_in_the_registry_is_drift_until_the_follower_ships_it(cfg, r
     registry.client(cfg).set_registered_model_alias("moved", "production", "3")  # as in the MLflow UI
     code, rows = drift_rows(cfg, "moved")
     assert code == 4 and len(rows) == 1
-    assert rows[0]["desired"] == 2 and rows[0]["serving"] == "production v3"
+    assert rows[0]["desired"] == 2 and rows[0]["serving"] == "production=v3"
     assert "pipeline publish moved --version 3" in rows[0]["detail"]
     r = cli(cfg, "fleet", "sync", "--follow-alias", "production")
     assert r.exit_code == 0, r.output
