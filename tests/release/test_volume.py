@@ -216,4 +216,4 @@ def test_tampered_version_is_refused_everywhere_before_an_instance_would_load_it
     assert r.returncode == 0, r.stderr
     assert [x["state"] for x in json.loads(r.stdout)["volume"]] == ["corrupt"]
     r = pipeline_cli(cfg, "status", "tamper", env={"COLUMNS": "200"})
-    assert "corrupt:" in r.stdout and "tamper-v2/adapter_model.safetensors" in r.stdout
+    assert "corrupt:" in r.stderr and "tamper-v2/adapter_model.safetensors" in r.stderr  # messages: stderr
