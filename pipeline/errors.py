@@ -3,7 +3,9 @@
 Every error a user can cause or meet derives from `PipelineError` and carries a message that
 says what is wrong, where (file, line, tensor, instance) and how to fix it. The CLI maps the
 classes below to exit codes in one place (`pipeline.cli._common.EXIT_CODES`; README "Exit
-codes"): a subclass inherits its parent's code.
+codes"): a subclass inherits its parent's code. An error a user can meet is one of these (some
+also derive from `ValueError`, which their callers catch); `tests/test_errors.py` checks that every
+exception class under `pipeline/` is, except the few that never leave their module.
 
     PipelineError
     ├── UsageError        2  bad input: unknown name/version/alias, missing file, bad flag
@@ -13,6 +15,8 @@ codes"): a subclass inherits its parent's code.
     ├── CheckFailed       1  input read fine but failed a check (dataset, config, validation, training)
     ├── LockedError       3  another operation holds the lock for this adapter / fleet
     ├── FleetError        4  the fleet did not converge (publish undid itself)
+    ├── InstanceError     4  a request to one vLLM instance failed (an HTTP error, no answer)
+    │   └── Unreachable      nothing answered; `Hung`: connected, no answer in time
     └── GateFailed        5  `pipeline run`: registered, but a gate kept it from shipping
 """
 
@@ -49,6 +53,39 @@ class LockedError(PipelineError):
 
 class FleetError(PipelineError):
     """The fleet did not converge on the desired state; the message holds the per-instance report."""
+
+
+class InstanceError(PipelineError):
+    """A request to a vLLM instance failed; the message names the instance, request and reply.
+
+    Not a `FleetError`: that one means the whole operation was undone; an `InstanceError` is one
+    instance's failure, which the rollout turns into that instance's findings
+    (`pipeline.fleet.instances`). Raised by `pipeline.fleet.client.InstanceClient`.
+
+    `status`: the HTTP status (None when no reply came); `outcome_unknown`: a changing request
+    (load/unload) may have taken effect although no success reply came; `check`: the finding id
+    a report files it under (None: by class, `pipeline.fleet.instances`).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        outcome_unknown: bool = False,
+        check: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.outcome_unknown = outcome_unknown
+        self.check = check
+
+
+class Unreachable(InstanceError):
+    """The instance did not answer (connection refused or reset, connect timeout)."""
+
+
+class Hung(Unreachable):
+    """The instance accepted the connection but sent no answer within the read timeout."""
 
 
 class GateFailed(PipelineError):

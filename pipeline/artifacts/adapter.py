@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pipeline.artifacts.checkpoint import TEXT_PREFIXES
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.artifacts.safetensors import TensorInfo, read_safetensors_header
+from pipeline.errors import UsageError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -273,7 +274,7 @@ def config_problems(raw: dict) -> list[ConfigProblem]:
     return out
 
 
-class AdapterConfigError(ValueError):
+class AdapterConfigError(UsageError, ValueError):
     """adapter_config.json is not JSON, not an object, or has fields of the wrong type."""
 
     def __init__(self, message: str, problems: list[ConfigProblem] | None = None):

@@ -37,12 +37,13 @@ from pipeline.artifacts.adapter import (
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
 from pipeline.artifacts.safetensors import file_metadata, read_safetensors_header, write_safetensors
+from pipeline.errors import CheckFailed
 from pipeline.serving.modules import runtime_target, served_key_prefix
 
 REL_TOL = 1e-9
 
 
-class ParityError(RuntimeError):
+class ParityError(CheckFailed, RuntimeError):
     """Folding would change some module's effective scale; nothing was written."""
 
 

@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import UsageError
+
 # safetensors dtype names -> bits per element (safetensors/src/tensor.rs `Dtype::bitsize`).
 DTYPE_BITS = {
     "BOOL": 8,
@@ -52,7 +54,7 @@ DTYPE_BYTES = {k: max(1, v // 8) for k, v in DTYPE_BITS.items()}
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE
 
 
-class HeaderError(ValueError):
+class HeaderError(UsageError, ValueError):
     """A safetensors file the safetensors loader would refuse: truncated, garbage, or inconsistent."""
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import httpx
 
 from pipeline.config import FleetSection, Instance
-from pipeline.errors import UsageError
+from pipeline.errors import Hung, InstanceError, Unreachable, UsageError  # raised by the client
 
 
 @dataclass(frozen=True)
@@ -46,35 +46,6 @@ class Timeouts:
     def httpx(self, read_s: float | None = None) -> httpx.Timeout:
         read = self.read_s if read_s is None else read_s
         return httpx.Timeout(read, connect=self.connect_s)
-
-
-class InstanceError(Exception):
-    """A request to an instance failed; the message names the instance, request and reply.
-
-    `status`: the HTTP status (None when no reply came); `outcome_unknown`: a changing request
-    (load/unload) may have taken effect although no success reply came; `check`: the finding id
-    a report files it under (None: by class, `pipeline.fleet.instances`).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        status: int | None = None,
-        outcome_unknown: bool = False,
-        check: str | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.outcome_unknown = outcome_unknown
-        self.check = check
-
-
-class Unreachable(InstanceError):
-    """The instance did not answer (connection refused or reset, connect timeout)."""
-
-
-class Hung(Unreachable):
-    """The instance accepted the connection but sent no answer within the read timeout."""
 
 
 @dataclass

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from pipeline.errors import UsageError
+
 # Architectures vLLM serves for model_type qwen3_5 (vllm/model_executor/models/registry.py).
 VL_CLASS = "Qwen3_5ForConditionalGeneration"
 CAUSAL_CLASS = "Qwen3_5ForCausalLM"
 
 
-class UnknownVllmVersion(ValueError):
+class UnknownVllmVersion(UsageError, ValueError):
     """A vLLM version string that does not parse or lies outside every range the pipeline knows."""
 
 

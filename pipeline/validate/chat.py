@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.errors import UsageError
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UsageError, ValueError):
     """Tokenizer or template files that cannot be read (corrupt JSON, bad template syntax...)."""
 
 
