@@ -23,7 +23,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipeline.errors import ConfigError
@@ -243,11 +243,14 @@ class CanarySection(_Section):
         ge=0,
         description="a different token within this many nats of the reference argmax counts as agreeing",
     )
-    quantised: bool | None = Field(
-        None, description="the staging base is quantised (None: read the served checkpoint's config)"
+    quantized: bool | None = Field(
+        None,
+        # `quantised`: the spelling before issue 26; pipeline.yaml files written then still load
+        validation_alias=AliasChoices("quantized", "quantised"),
+        description="the staging base is quantized (None: read the served checkpoint's config)",
     )
     base_gap_factor: float = Field(
-        2.0, ge=1, description="quantised base: tolerance = max(threshold, factor x the base's own gap)"
+        2.0, ge=1, description="quantized base: tolerance = max(threshold, factor x the base's own gap)"
     )
     min_speed_ratio: float | None = Field(
         None,

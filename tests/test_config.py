@@ -131,3 +131,13 @@ def test_an_environment_override_is_named_in_the_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_FLEET__TIMEOUT_S", "abc")
     with pytest.raises(ConfigError, match=r"fleet\.timeout_s \(from \$PIPELINE_FLEET__TIMEOUT_S\)"):
         load_config(p)
+
+
+@pytest.mark.parametrize("key", ["quantized", "quantised"])
+def test_canary_quantized_reads_both_spellings(tmp_path, monkeypatch, key):
+    """`canary.quantized` (one spelling, as vLLM's `quantization`); files written with `quantised` still load."""
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(f"canary: {{{key}: true}}\n")
+    assert load_config(p).canary.quantized is True
+    monkeypatch.setenv(f"PIPELINE_CANARY__{key.upper()}", "false")
+    assert load_config(p).canary.quantized is False

@@ -11,8 +11,8 @@ and then for the adapter it measures:
   is the reference's argmax (or within `canary.tie_margin` nats of it); first divergence: the
   first position where greedy decoding by the reference would differ; max logprob diff: over
   all positions and the engine's top tokens, nats. The base's own figures tell an engine or
-  precision gap (quantised base, bf16 kernels) from an adapter problem; when the served base is
-  quantised, the base's gap sets the tolerance (`canary.base_gap_factor`).
+  precision gap (quantized base, bf16 kernels) from an adapter problem; when the served base is
+  quantized, the base's gap sets the tolerance (`canary.base_gap_factor`).
 - speed, from `/metrics` scraped before and after each pass (`pipeline.canary.prom`): speculative
   decoding drafts, draft tokens and accepted tokens -> acceptance rate (accepted / draft
   tokens) and mean acceptance length (1 + accepted / drafts, vLLM's own definition); time per

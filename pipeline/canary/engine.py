@@ -93,14 +93,14 @@ def served_info(cfg: ProjectConfig, client) -> dict:
         "checkpoint": cfg.served.checkpoint,
         "revision": cfg.served.revision,
         "profile_model": cfg.served_base_name,
-        "quantised": _quantised(cfg, base.root),
+        "quantized": _quantized(cfg, base.root),
     }
 
 
-def _quantised(cfg: ProjectConfig, engine_root: str | None) -> bool:
-    """`canary.quantised`, else whether the served checkpoint's config declares a quantisation."""
-    if cfg.canary.quantised is not None:
-        return cfg.canary.quantised
+def _quantized(cfg: ProjectConfig, engine_root: str | None) -> bool:
+    """`canary.quantized`, else whether the served checkpoint's config declares a quantization."""
+    if cfg.canary.quantized is not None:
+        return cfg.canary.quantized
     for d in (cfg.served.path, Path(engine_root) if engine_root else None):
         if d is None or not Path(d).is_dir():
             continue

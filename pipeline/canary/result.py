@@ -146,20 +146,20 @@ def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside:
     """Fill `res.tolerance` and `res.findings` (ids `canary.*`, each message: what, where, how to fix)."""
     c = cfg.canary
     base, ad = res.parity["base"], res.parity["adapter"]
-    quantised = bool(res.served.get("quantised"))
+    quantized = bool(res.served.get("quantized"))
     min_agree, max_diff = c.min_token_agreement, c.max_logprob_diff
     base_ok = base.agreement >= min_agree and base.max_logprob_diff <= max_diff
-    if quantised:  # the engine's own gap on the base is the floor of what the adapter can reach
+    if quantized:  # the engine's own gap on the base is the floor of what the adapter can reach
         min_agree = min(min_agree, base.agreement - (1 - c.min_token_agreement))
         max_diff = max(max_diff, c.base_gap_factor * base.max_logprob_diff)
     res.tolerance = {
         "min_token_agreement": round(min_agree, 6),
         "max_logprob_diff": round(max_diff, 6),
-        "quantised": quantised,
-        "from_base_gap": quantised,
+        "quantized": quantized,
+        "from_base_gap": quantized,
     }
     where = f"staging {res.staging} ({res.served.get('engine_model')})"
-    if not base_ok and not quantised:
+    if not base_ok and not quantized:
         res.findings.append(
             Finding(
                 "canary.base_gap",
@@ -167,7 +167,7 @@ def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside:
                 f"engine/precision gap on the BASE alone: token agreement {base.agreement:.3f} (min {c.min_token_agreement}), "
                 f"max logprob diff {base.max_logprob_diff:.4f} nats (max {c.max_logprob_diff}) at {base.max_logprob_diff_at} "
                 f"on {where}: the engine and the reference disagree before any adapter; check the checkpoint it serves, "
-                f"--dtype, and the vLLM version (set canary.quantised: true if the served base is quantised)",
+                f"--dtype, and the vLLM version (set canary.quantized: true if the served base is quantized)",
                 where,
             )
         )

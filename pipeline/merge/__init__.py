@@ -202,7 +202,7 @@ def _manifest(plan: MergePlan, merged: list[str], files: dict | None, seconds: f
             "bytes": written,
             "seconds": round(seconds, 2),
         },
-        "requantisation": {
+        "requantization": {
             "status": "pending",
             "target": "NVFP4 (ModelOpt format) for the MTP fleet",
             "keep_bf16": ["lm_head", "mtp.*", "model.visual.*"],

@@ -231,7 +231,7 @@ def plan_merge(adapter_dir: Path, base_dir: Path, dtype: str = "bfloat16") -> Me
         raise MergeError(str(e)) from e
     if ckpt.is_quantized:
         raise MergeError(
-            f"{base_dir}: quantized checkpoint; merge into the bf16 base, then requantise (docs/merge.md)"
+            f"{base_dir}: quantized checkpoint; merge into the bf16 base, then requantize (docs/merge.md)"
         )
     _check_config(cfg)
     pairs, saved, problems = lora_pairs(adapter_dir, cfg)

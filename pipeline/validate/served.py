@@ -99,7 +99,7 @@ def geometry(ctx):
     if diffs:
         ctx.served_geometry_differs = True
         yield Issue(
-            "the served checkpoint is not a quantisation of this base ("
+            "the served checkpoint is not a quantization of this base ("
             + "; ".join(diffs)
             + "): point served.path at the fleet's checkpoint or retrain on its bf16 base",
             str(served.path / "config.json"),
@@ -165,6 +165,6 @@ def nvfp4_gdn_scales(ctx):
             f"vLLM {ctx.rules.vllm_version} ({rng.name}) loads ModelOpt NVFP4 linear_attn with one in_proj_qkv "
             "per-tensor scale slot filled and the others uninitialised (upstream PR #38517, fixed in 0.20.0): the "
             "base and this adapter's in_proj_qkv are served wrong; upgrade the fleet to 0.20+ or serve a checkpoint "
-            "that excludes linear_attn from quantisation",
+            "that excludes linear_attn from quantization",
             str(served.path / "hf_quant_config.json"),
         )

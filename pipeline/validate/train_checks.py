@@ -141,7 +141,7 @@ class TrainContext(TemplateFacts):
     "train.qlora",
     "error",
     "`adapter: qlora` (trained against a 4-bit base, not the bf16 base the served "
-    "checkpoint was quantised from)",
+    "checkpoint was quantized from)",
     scopes=("train",),
 )
 def qlora(ctx):

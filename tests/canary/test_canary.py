@@ -146,7 +146,7 @@ def test_good_adapter_passes_parity_and_reads_spec_decode(staging):
     assert {"tool:ask", "tool:sql", "tool:result"} <= set(res.prompts)
     assert any(p.startswith("agent_chat_validation.jsonl:") for p in res.prompts)
     assert res.served["engine_model"] == str(staging.base) and res.served["vllm_version"] == "0.32.0"
-    assert res.served["checkpoint"] == "tiny-qwen3" and res.served["quantised"] is False
+    assert res.served["checkpoint"] == "tiny-qwen3" and res.served["quantized"] is False
     assert res.unloaded and served_adapters(staging.server) == []
 
 

@@ -78,7 +78,7 @@ def test_reference_uses_the_tensors_rank(tmp_path, tiny_base):
     assert json.loads((d / "adapter_config.json").read_text())["r"] == 4  # the original is untouched
 
 
-def _result(base_agree: float, base_diff: float, ad_agree: float, ad_diff: float, quantised: bool):
+def _result(base_agree: float, base_diff: float, ad_agree: float, ad_diff: float, quantized: bool):
     from pipeline.canary import CanaryResult, Parity, Speed
 
     def par(a, d):
@@ -89,7 +89,7 @@ def _result(base_agree: float, base_diff: float, ad_agree: float, ad_diff: float
         "a",
         "http://s",
         "canary-x",
-        {"quantised": quantised, "engine_model": "m"},
+        {"quantized": quantized, "engine_model": "m"},
         ["p"],
         12,
         {"base": par(base_agree, base_diff), "adapter": par(ad_agree, ad_diff)},
@@ -107,27 +107,27 @@ def _result(base_agree: float, base_diff: float, ad_agree: float, ad_diff: float
 
 
 @pytest.mark.parametrize(
-    "figures, quantised, verdict, words",
+    "figures, quantized, verdict, words",
     [
         ((1.0, 0.0, 0.99, 0.05), False, "pass", None),
         ((1.0, 0.0, 0.80, 0.05), False, "fail", ("canary.adapter_parity", "adapter parity failed")),
         ((0.90, 0.3, 0.90, 0.3), False, "fail", ("canary.base_gap", "engine/precision gap on the BASE")),
-        # a quantised base: its own gap (agreement 0.90, diff 0.3 nats) sets the tolerance
+        # a quantized base: its own gap (agreement 0.90, diff 0.3 nats) sets the tolerance
         ((0.90, 0.3, 0.88, 0.5), True, "pass", None),
         ((0.90, 0.3, 0.70, 0.5), True, "fail", ("canary.adapter_parity", "adapter parity failed")),
     ],
 )
-def test_verdict_tolerance_from_the_base(figures, quantised, verdict, words):
+def test_verdict_tolerance_from_the_base(figures, quantized, verdict, words):
     from pipeline.canary import judge
     from pipeline.config import ProjectConfig
 
-    res = _result(*figures, quantised)
+    res = _result(*figures, quantized)
     judge(ProjectConfig(), res, [], [])
     assert res.verdict == verdict, res.problems
     if words:
         check_id, text = words
         assert res.findings[0].id == check_id and text in res.problems[0]
-    if quantised:
+    if quantized:
         assert res.tolerance["max_logprob_diff"] == pytest.approx(0.6)
 
 

@@ -153,7 +153,7 @@ def test_canary_prints_one_plain_line_per_run(capsys):
     from pipeline.cli.render import Output
     from tests.canary.test_canary_units import _result
 
-    res = _result(1.0, 0.0, 0.98, 0.1, quantised=False)
+    res = _result(1.0, 0.0, 0.98, 0.1, quantized=False)
     render(res)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["RUN", "TOKEN_AGREEMENT"]

@@ -263,7 +263,7 @@ def test_tiny_served_checkpoint_is_nvfp4_shaped(served):
     assert not any("visual" in n for n in t)
 
 
-def test_nvfp4_quantisation_round_trips():
+def test_nvfp4_quantization_round_trips():
     import torch
 
     from pipeline.dev.tinybase import E2M1_GRID, quantize_nvfp4
