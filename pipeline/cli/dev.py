@@ -12,6 +12,7 @@ from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, pr
 from pipeline.cli.render import Column, Output, print_rows
 from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
+from pipeline.dev.servedbase import build_served_base
 from pipeline.dev.tinybase import build_tiny_base
 
 app = typer.Typer(help="Developer tools: tiny models for demos and tests.", no_args_is_help=True)
@@ -64,6 +65,42 @@ def real_base(
     on a host without the model hub. 64 layers: ~54 GB on disk.
     """
     build_real_base(out, layers, device=device.value, seed=seed, shard_gb=shard_gb, echo=typer.echo)
+
+
+class QuantDevice(StrEnum):
+    auto = "auto"  # cuda when torch sees a GPU
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@app.command("served-base")
+def served_base(
+    src: Annotated[Path, typer.Argument(help="bf16 checkpoint (e.g. written by `pipeline dev real-base`)")],
+    out: Annotated[Path, typer.Argument(help="directory to write (replaced)")],
+    device: Annotated[QuantDevice, typer.Option(help="where modelopt calibrates and packs")] = QuantDevice.auto,
+    calib_data: Annotated[
+        Path | None, typer.Option(help="chat JSONL for calibration (default: built-in prompts)")
+    ] = None,
+    max_seq_len: Annotated[int, typer.Option(min=8, max=1 << 20, help="tokens per calibration sample")] = 512,
+    shard_gb: Annotated[
+        float, typer.Option(min=0.001, callback=finite, help="largest shard, GB (1e9 bytes)")
+    ] = 5.0,
+):
+    """Quantize a bf16 base into the fleet's served format: ModelOpt NVFP4, MTP kept in bf16, text only.
+
+    nvidia-modelopt's NVFP4_DEFAULT_CFG plus `*mtp*` / `*visual*` disabled (the recipe of the fleet's
+    checkpoint class), calibrated, exported with `hf_quant_config.json`, `mtp.*` grafted back from SRC.
+    Serve with `--quantization modelopt --language-model-only`.
+    """
+    build_served_base(
+        src,
+        out,
+        device=device.value,
+        calib_data=calib_data,
+        max_seq_len=max_seq_len,
+        max_shard_size=f"{int(shard_gb * 1000)}MB",
+        echo=typer.echo,
+    )
 
 
 @demo_app.command()
