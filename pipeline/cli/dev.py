@@ -77,7 +77,9 @@ class QuantDevice(StrEnum):
 def served_base(
     src: Annotated[Path, typer.Argument(help="bf16 checkpoint (e.g. written by `pipeline dev real-base`)")],
     out: Annotated[Path, typer.Argument(help="directory to write (replaced)")],
-    device: Annotated[QuantDevice, typer.Option(help="where modelopt calibrates and packs")] = QuantDevice.auto,
+    device: Annotated[
+        QuantDevice, typer.Option(help="where modelopt calibrates and packs")
+    ] = QuantDevice.auto,
     calib_data: Annotated[
         Path | None, typer.Option(help="chat JSONL for calibration (default: built-in prompts)")
     ] = None,

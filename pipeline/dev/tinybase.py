@@ -214,7 +214,13 @@ def _write_vl_layout(out: Path, model, seed: int) -> None:
 # exclusions, the text layout of the 0.32+ CausalLM class, a drifted chat template).
 # tests/merge/test_quantize.py checks that it writes modelopt's format, tensor by tensor.
 # modelopt's NVFP4 default exclusions for Qwen3.5 (configs/ptq/units/default_disabled_quantizers) + mtp.
-MODELOPT_EXCLUDES = ["lm_head", "*linear_attn.conv1d", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b", "mtp*"]
+MODELOPT_EXCLUDES = [
+    "lm_head",
+    "*linear_attn.conv1d",
+    "*linear_attn.in_proj_a",
+    "*linear_attn.in_proj_b",
+    "mtp*",
+]
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the FP4 e2m1 code points 0..7
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -270,7 +270,9 @@ def quantize_checkpoint(
     served = read_checkpoint(out)
     kept = sorted(n for n in served.tensors if n.startswith(MTP_PREFIX + "."))
     if str(quant.get("quant_algo", "")).upper() != "NVFP4":
-        raise RuntimeError(f"{out}/hf_quant_config.json: quant_algo {quant.get('quant_algo')!r}, expected NVFP4")
+        raise RuntimeError(
+            f"{out}/hf_quant_config.json: quant_algo {quant.get('quant_algo')!r}, expected NVFP4"
+        )
     if kept != sorted(mtp):
         raise RuntimeError(f"{out}: the export kept {len(kept)} of {len(mtp)} mtp.* tensors")
     if mtp:

@@ -4,8 +4,6 @@ the adapter adapts, with the same logical shape? Headers and config only.
 
 from __future__ import annotations
 
-import fnmatch
-
 from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, logical_linear_shape, quant_algo
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.serving.vllm import KNOWN_QUANT
@@ -153,11 +151,11 @@ def nvfp4_gdn_scales(ctx):
     rng, served = ctx.vllm, ctx.served
     if not rng.nvfp4_gdn_scale_bug or quant_algo(served) != "NVFP4":
         return
-    q = served.quant_config or {}
-    exclude = (q.get("quantization", q) or {}).get("exclude_modules") or []
-    probe = "model.layers.0.linear_attn.in_proj_qkv"
-    quantized = not any(
-        fnmatch.fnmatch(probe, p) or fnmatch.fnmatch("linear_attn", p) or "linear_attn" in p for p in exclude
+    # Whether in_proj_qkv is quantized is read from its tensors (packed U8 weight), not guessed from the
+    # exclude patterns: modelopt's own export lists `...linear_attn.conv1d` / `in_proj_a` there while
+    # in_proj_qkv is NVFP4, which a "pattern mentions linear_attn" test took for an excluded linear_attn.
+    quantized = any(
+        t.dtype in ("U8", "I8") for m, t in served.modules.items() if m.endswith("linear_attn.in_proj_qkv")
     )
     adapts = any(m.sub and m.sub.endswith("in_proj_qkv") for m in ctx.live())
     if quantized and adapts:

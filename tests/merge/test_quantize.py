@@ -9,7 +9,6 @@ needs vLLM on a GPU (scripts/gpu, benchmarks/vllm_h200.py).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -116,7 +115,9 @@ def test_packed_weights_dequantize_to_the_source(export, tiny_vl_base):
     mag = torch.tensor(E2M1_GRID)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     deq = mag.reshape(w.shape[0], -1, 16) * (scale.float() * scale2.float()).unsqueeze(-1)
     err = (deq.reshape(w.shape) - w).abs()
-    block_amax = w.reshape(w.shape[0], -1, 16).abs().amax(-1, keepdim=True).expand(-1, -1, 16).reshape(w.shape)
+    block_amax = (
+        w.reshape(w.shape[0], -1, 16).abs().amax(-1, keepdim=True).expand(-1, -1, 16).reshape(w.shape)
+    )
     # e2m1's widest gap is 4 -> 6: at most a third of the block max (plus FP8 rounding of the scale)
     assert bool((err <= block_amax / 3 * 1.1 + 1e-6).all())
     assert err.mean() < 0.1 * w.abs().mean()
@@ -184,3 +185,17 @@ def test_bad_input_is_refused_before_writing(export, tiny_vl_base, tmp_path, mon
     with pytest.raises(UsageError, match="nvidia-modelopt is not installed"):
         quantize.quantize_checkpoint(tiny_vl_base, tmp_path / "y", device="cpu")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_gdn_scale_warning_reads_the_real_export(export, tiny_base, tiny_vl_base, tmp_path):
+    """modelopt's export lists `linear_attn.conv1d` / `in_proj_a` as excluded while `in_proj_qkv` is NVFP4:
+    the 0.19 scale-bug warning must fire on it (it read "a pattern mentions linear_attn" as excluded)."""
+    from pipeline.validate import FleetRules, validate_adapter
+    from tests.support.helpers import peft_adapter
+
+    out, _ = export
+    adapter = peft_adapter(tiny_base, tmp_path / "a", r=8, alpha=16, targets=["in_proj_qkv", "q_proj"])
+    old = validate_adapter(adapter, tiny_vl_base, FleetRules(vllm_version="0.19.1"), served_dir=out)
+    assert "served.nvfp4_gdn_scales" in {c.id for c in old.checks}
+    new = validate_adapter(adapter, tiny_vl_base, FleetRules(vllm_version="0.25.1"), served_dir=out)
+    assert "served.nvfp4_gdn_scales" not in {c.id for c in new.checks}
