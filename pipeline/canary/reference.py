@@ -2,7 +2,8 @@
 
 The base is loaded with transformers (float32 by default: the bf16 weights upcast, so the
 reference is exact for them) and the adapter with peft, on a GPU when torch sees one, else
-CPU. The engine's greedy tokens are then teacher-forced through the reference: one forward
+CPU, with the model class whose module names the adapter's tensors use
+(`pipeline.artifacts.peft_model.load_peft`; a load that leaves a tensor unapplied is refused). The engine's greedy tokens are then teacher-forced through the reference: one forward
 pass per prompt gives, at every generated position, the reference's argmax and the log-
 probabilities of the tokens the engine reported. Greedy decoding by the reference reproduces
 the engine's tokens up to the first position where its argmax differs (the same argument as
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifacts.adapter import CONFIG_FILE, adapter_tensors, load_adapter_config, parse_key
+from pipeline.artifacts.peft_model import load_peft
 
 
 @dataclass
@@ -97,12 +99,11 @@ class Reference:
 
     def __init__(self, base_dir: Path, adapter_dir: Path, dtype: str = "float32"):
         import torch
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=getattr(torch, dtype))
-        self.model = PeftModel.from_pretrained(model, str(adapter_dir)).to(self.device).eval()
+        # the class whose modules the adapter's keys name (a VL-trained adapter on the causal-LM class
+        # would load none of its tensors: pipeline.artifacts.peft_model), straight onto the device
+        self.model = load_peft(base_dir, adapter_dir, dtype, self.device)
 
     def score(
         self, prompt: list[int], generated: list[int], query: list[list[int]], adapter: bool

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.artifacts.checkpoint import read_checkpoint
+from pipeline.artifacts.peft_model import load_peft
 from pipeline.errors import CheckFailed, UsageError
 
 ROUNDINGS = 4
@@ -100,16 +101,17 @@ def _check_parity(base_dir, adapter_dir, merged_dir, dtype, prompts, max_new_tok
     import time
 
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(str(merged_dir))
     with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+        # the class whose modules the adapter's keys name (a VL-trained adapter on the causal-LM
+        # class would apply none of its tensors: the reference would be the base)
+        ref = load_peft(base_dir, adapter_dir, "float32")
         inputs = _prompts(tok, prompts)
-        base_logits = [base(ids).logits for ids in inputs]
-        ref = PeftModel.from_pretrained(base, str(adapter_dir)).eval()  # wraps `base` in place
+        with ref.disable_adapter():
+            base_logits = [ref(ids).logits for ids in inputs]
         merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
         per_prompt, reasons = [], []
         worst = effect = scale = 0.0

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 from pipeline.artifacts.manifest import read_manifest
+from pipeline.artifacts.peft_model import load_peft
 from pipeline.validate.rules import Issue, check
 
 MAX_NEW_TOKENS = 8
@@ -172,14 +173,12 @@ class BehaviourUnavailable(Exception):
 def evaluate(adapter_dir: Path, base_dir: Path, validation_files: list[Path] | None = None) -> dict:
     """Load base + adapter and measure: {eval_loss_base, eval_loss_adapter, eval_tokens, conversations,
     validation_files, canaries_identical, canaries_total}. Raises BehaviourUnavailable."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(base_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        # the class whose modules the adapter's keys name; a load leaving a tensor unapplied raises
+        model = load_peft(base_dir, adapter_dir, "float32")
     except Exception as e:  # noqa: BLE001 - e.g. a VL-layout base transformers cannot load as a causal LM
         raise BehaviourUnavailable(
             f"cannot load base + adapter with transformers/peft ({type(e).__name__}: {e}): pass --base with a "
