@@ -21,7 +21,6 @@ from pathlib import Path
 
 from pipeline.artifacts.adapter import adapter_tensors
 
-
 _LOADED = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.weight)?$")
 
 
