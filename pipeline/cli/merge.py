@@ -13,8 +13,9 @@ from pipeline import registry
 from pipeline.artifacts.manifest import read_manifest
 from pipeline.cli._common import JsonOption, adapter_name, emit_json, project_config
 from pipeline.errors import UsageError
-from pipeline.merge import merge_adapter, registered_version
+from pipeline.merge import merge_adapter, merge_and_quantize, registered_version
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
+from pipeline.merge.quantize import load_calibration
 
 app = typer.Typer()
 
@@ -23,6 +24,19 @@ class Dtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
+
+
+class Quantize(StrEnum):
+    none = "none"  # the bf16 merge only
+    nvfp4 = (
+        "nvfp4"  # then ModelOpt NVFP4 + MTP, as the fleet's served checkpoint (pipeline/merge/quantize.py)
+    )
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 class ParityMode(StrEnum):
@@ -55,6 +69,15 @@ def merge(
     threads: Annotated[
         int, typer.Option(min=0, max=1024, help="torch threads for the merge arithmetic (0: torch default)")
     ] = 1,
+    quantize: Annotated[
+        Quantize, typer.Option(help="after the bf16 merge, quantize as the fleet's served checkpoint")
+    ] = Quantize.none,
+    device: Annotated[
+        Device, typer.Option(help="--quantize: where modelopt calibrates and packs")
+    ] = Device.auto,
+    calib_data: Annotated[
+        Path | None, typer.Option(help="--quantize: chat JSONL for calibration (default: built-in prompts)")
+    ] = None,
     as_json: JsonOption = False,
 ):
     """Merge an adapter into the bf16 base, streamed, gated on parity.
@@ -69,17 +92,37 @@ def merge(
         except (FileNotFoundError, ValueError):
             target = None
     gate = parity_gate(base, adapter, dtype.value, parity.value)
+    show = progress and sys.stderr.isatty() and not as_json
     try:
-        res = merge_adapter(
-            adapter,
-            base,
-            out,
-            dtype=dtype.value,
-            progress=progress and sys.stderr.isatty() and not as_json,
-            hash_files=hash_files,
-            finalize=gate,
-            threads=threads or None,
-        )
+        if quantize is Quantize.none:
+            res = merge_adapter(
+                adapter,
+                base,
+                out,
+                dtype=dtype.value,
+                progress=show,
+                hash_files=hash_files,
+                finalize=gate,
+                threads=threads or None,
+            )
+        else:
+            if dtype is not Dtype.bfloat16:
+                raise UsageError(
+                    f"--quantize {quantize.value} quantizes the bf16 merge: drop --dtype {dtype.value}"
+                )
+            items, source = load_calibration(calib_data)
+            res = merge_and_quantize(
+                adapter,
+                base,
+                out,
+                quantize.value,
+                device=device.value,
+                calibration=items,
+                calibration_source=source,
+                progress=show,
+                finalize=gate,
+                threads=threads or None,
+            )
     except ParityFailed as e:
         if target:
             _tag(target, {"parity": e.verdict}, out, explicit=name is not None)
@@ -87,12 +130,14 @@ def merge(
     if target:
         _tag(target, res.manifest, out, explicit=name is not None)
     m, p = res.manifest["merge"], res.manifest["parity"]
+    q = res.manifest.get("quantization")
     if as_json:
         return emit_json(
             {
                 "out": str(res.out),
                 "merge": m,
                 "parity": p,
+                "quantization": q,
                 "bytes_written": res.bytes_written,
                 "seconds": round(res.seconds, 3),
                 "tagged": target,
@@ -108,6 +153,13 @@ def merge(
         f"({res.bytes_written / 1e9:.2f} GB, {res.seconds:.1f} s, "
         f"{res.bytes_written / 1e6 / max(res.seconds, 1e-9):.0f} MB/s); parity {p['verdict']}: {detail}"
     )
+    if q:
+        typer.echo(
+            f"quantized to {q['quant_algo']} with nvidia-modelopt {q['version']} on {q['device']} "
+            f"({len(q['exclude_modules'])} exclusions, {q['mtp_tensors']} mtp.* tensors kept, {q['seconds']} s); "
+            f"engine-side parity pending: serve {res.out} with --quantization modelopt --language-model-only, "
+            "then `pipeline merge-parity`"
+        )
 
 
 def _tag(target: dict, manifest: dict, out: Path, explicit: bool) -> None:

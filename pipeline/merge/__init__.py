@@ -31,8 +31,9 @@ from pathlib import Path
 from pipeline.artifacts.adapter import WEIGHTS_FILE, load_adapter_config
 from pipeline.artifacts.atomic import fsync_dir, write_json_atomic
 from pipeline.artifacts.hashing import sha256_file
-from pipeline.artifacts.manifest import MANIFEST, package_versions, read_manifest
+from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions, read_manifest
 from pipeline.merge.plan import INDEX, MergeError, MergeMismatch, MergePlan, plan_merge
+from pipeline.merge.quantize import modelopt_version, quantize_checkpoint
 from pipeline.merge.write import copy_side_files, progress_bar, seal_output, write_shard
 from pipeline.train.launch import base_fingerprint
 
@@ -43,6 +44,7 @@ __all__ = [
     "MergePlan",
     "MergeResult",
     "merge_adapter",
+    "merge_and_quantize",
     "plan_merge",
     "registered_version",
 ]
@@ -160,6 +162,94 @@ def merge_adapter(
     finally:
         torch.set_num_threads(threads_before)
     return MergeResult(out_dir, manifest, seconds, written, merged)
+
+
+def merge_and_quantize(
+    adapter_dir: Path,
+    base_dir: Path,
+    out_dir: Path,
+    fmt: str = "nvfp4",
+    *,
+    device: str = "auto",
+    calibration: list | None = None,
+    calibration_source: str = "builtin prompts",
+    progress: bool = False,
+    finalize=None,
+    threads: int | None = 1,
+    extra_manifest: dict | None = None,
+) -> MergeResult:
+    """Merge into bf16 (exactly `merge_adapter`, parity gate included), then quantize as the served checkpoint.
+
+    The bf16 merge goes to a scratch directory next to `out_dir` and is removed at the end; the
+    quantization is `pipeline.merge.quantize.quantize_checkpoint` (the recipe of the fleet's served
+    checkpoint: same exclusions, `mtp.*` kept, text only, served layout). `out_dir/manifest.json`
+    (`kind: merged-lora`, `format: nvfp4`) records the source adapter and its registered version,
+    the base, the merge and its bf16 parity verdict, the quantizer's version and settings
+    (`quantization`), and `served_parity: pending`: the engine-side gate (`pipeline merge-parity`)
+    needs the merged model served on a GPU next to the NVFP4 base with the adapter hot-loaded.
+
+    Raises what `merge_adapter` and `quantize_checkpoint` raise; `out_dir` is never left half written.
+    """
+    adapter_dir, base_dir, out_dir = Path(adapter_dir), Path(base_dir), Path(out_dir)
+    if out_dir.exists():
+        raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
+    modelopt_version()  # before any byte is written
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.bf16-", dir=out_dir.parent))
+    partial = None
+    try:
+        bf16 = merge_adapter(
+            adapter_dir,
+            base_dir,
+            scratch / "merged-bf16",
+            dtype="bfloat16",
+            progress=progress,
+            hash_files=False,
+            finalize=finalize,
+            threads=threads,
+        )
+        partial = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
+        os.chmod(partial, 0o755)
+        record = quantize_checkpoint(
+            bf16.out,
+            partial,
+            fmt=fmt,
+            device=device,
+            calibration=calibration,
+            calibration_source=calibration_source,
+        )
+        manifest = dict(bf16.manifest)
+        manifest.pop("requantization", None)
+        manifest.update(
+            {
+                "format": fmt,
+                "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "files": file_hashes(partial),
+                "quantization": record,
+                "served_parity": {
+                    "status": "pending",
+                    "how": "pipeline merge-parity OUT --hot URL --merged URL",
+                },
+                "versions": package_versions(
+                    ("peft", "transformers", "torch", "safetensors", "nvidia-modelopt", "lora-pipeline")
+                ),
+            }
+        )
+        manifest.update(extra_manifest or {})
+        for name in manifest["files"]:
+            seal_output(partial / name)
+        write_json_atomic(partial / MANIFEST, manifest)
+        fsync_dir(partial)
+        os.rename(partial, out_dir)
+        fsync_dir(out_dir.parent)
+    except BaseException:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    written = sum((out_dir / n).stat().st_size for n in manifest["files"])
+    return MergeResult(out_dir, manifest, bf16.seconds, written, bf16.merged)
 
 
 def _manifest(plan: MergePlan, merged: list[str], files: dict | None, seconds: float, written: int) -> dict:

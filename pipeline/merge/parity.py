@@ -227,4 +227,18 @@ def parity_tags(manifest: dict, out: Path) -> dict[str, str]:
     for k in ("max_abs_diff", "tolerance", "adapter_effect", "greedy_equal", "reason"):
         if k in p:
             tags[f"merge.parity.{k}"] = str(p[k])
+    q = manifest.get("quantization")
+    if q:  # what the served (NVFP4) merge was quantized with
+        tags.update(
+            {
+                "merge.format": str(q.get("format")),
+                "merge.quantizer": f"{q.get('tool')} {q.get('version')}",
+                "merge.quantizer.config": f"{q.get('config')} + {','.join(q.get('extra_disabled') or [])} disabled",
+                "merge.quantizer.calibration_sha256": str(
+                    (q.get("calibration") or {}).get("token_ids_sha256")
+                ),
+                "merge.quantizer.hf_quant_config_sha256": str(q.get("hf_quant_config_sha256")),
+                "merge.served_parity": str((manifest.get("served_parity") or {}).get("status", "pending")),
+            }
+        )
     return tags

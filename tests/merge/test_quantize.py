@@ -199,3 +199,74 @@ def test_gdn_scale_warning_reads_the_real_export(export, tiny_base, tiny_vl_base
     assert "served.nvfp4_gdn_scales" in {c.id for c in old.checks}
     new = validate_adapter(adapter, tiny_vl_base, FleetRules(vllm_version="0.25.1"), served_dir=out)
     assert "served.nvfp4_gdn_scales" not in {c.id for c in new.checks}
+
+
+@pytest.fixture(scope="module")
+def vl_adapter(tiny_base, tmp_path_factory):
+    from tests.merge.test_merge import rekey_adapter, to_vl
+    from tests.support.helpers import peft_adapter
+
+    plain = peft_adapter(tiny_base, tmp_path_factory.mktemp("qa") / "plain", r=8, alpha=16)
+    return rekey_adapter(plain, tmp_path_factory.mktemp("qa") / "vl", to_vl)
+
+
+def test_merge_quantize_nvfp4(tiny_vl_base, vl_adapter, tmp_path):
+    """`pipeline merge --quantize nvfp4`: the served layout of the *merged* weights, manifest provenance, MTP kept."""
+    import torch
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from pipeline.artifacts.manifest import read_manifest, verify_files
+    from pipeline.cli import app
+    from pipeline.dev.tinybase import E2M1_GRID
+
+    out = tmp_path / "merged-nvfp4"
+    r = CliRunner().invoke(
+        app, ["merge", str(vl_adapter), "--base", str(tiny_vl_base), "--out", str(out), "--quantize", "nvfp4"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "engine-side parity pending" in r.output
+    m = read_manifest(out)
+    assert m["kind"] == "merged-lora" and m["format"] == "nvfp4" and "requantization" not in m
+    q = m["quantization"]
+    assert q["tool"] == "nvidia-modelopt" and q["version"] == "0.47.0" and q["config"] == "NVFP4_DEFAULT_CFG"
+    assert q["extra_disabled"] == ["*mtp*", "*visual*"] and q["calibration"]["samples"] == 8
+    assert m["adapter"]["path"] == str(vl_adapter.resolve()) and m["base"]["fingerprint"]
+    assert m["merge"]["merged_modules"] == m["merge"]["lora_pairs"] > 0
+    assert m["served_parity"]["status"] == "pending" and not verify_files(out, m["files"])
+    assert not [p for p in tmp_path.iterdir() if p.name != out.name]  # no bf16 scratch, no partial left
+    src = {k: v for k, v in tensor_bytes(tiny_vl_base).items() if k.startswith("mtp.")}
+    assert {k: v for k, v in tensor_bytes(out).items() if k.startswith("mtp.")} == src
+    # the packed weights are the merged ones (W + scale * B @ A), not the base's
+    name = "model.language_model.layers.3.self_attn.q_proj"
+    t = {}
+    for f in out.glob("*.safetensors"):
+        t.update({k: v for k, v in load_file(str(f)).items() if k.startswith(name)})
+    base = {}
+    for f in tiny_vl_base.glob("*.safetensors"):
+        base.update({k: v for k, v in load_file(str(f)).items() if k.startswith(name)})
+    lora = load_file(str(vl_adapter / "adapter_model.safetensors"))
+    key = "base_model.model." + name
+    w = base[name + ".weight"].float()
+    merged = w + 2.0 * lora[key + ".lora_B.weight"].float() @ lora[key + ".lora_A.weight"].float()
+    codes = torch.stack([t[name + ".weight"] & 0xF, t[name + ".weight"] >> 4], -1).reshape(w.shape).long()
+    mag = torch.tensor(E2M1_GRID)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    scale = t[name + ".weight_scale"].float() * t[name + ".weight_scale_2"].float()
+    deq = (mag.reshape(w.shape[0], -1, 16) * scale.unsqueeze(-1)).reshape(w.shape)
+    assert (deq - merged).abs().mean() < 0.8 * (deq - w).abs().mean()
+
+
+def test_merge_quantize_failure_leaves_nothing(tiny_vl_base, vl_adapter, tmp_path, monkeypatch):
+    import pipeline.merge as merge_pkg
+
+    def boom(*a, **k):
+        raise RuntimeError("export failed")
+
+    monkeypatch.setattr(merge_pkg, "quantize_checkpoint", boom)
+    with pytest.raises(RuntimeError, match="export failed"):
+        merge_pkg.merge_and_quantize(vl_adapter, tiny_vl_base, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UsageError, match="quantizes the bf16 merge"):
+        from pipeline.cli.merge import Dtype, Quantize, merge
+
+        merge(vl_adapter, tiny_vl_base, tmp_path / "o2", dtype=Dtype.float32, quantize=Quantize.nvfp4)
