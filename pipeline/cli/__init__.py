@@ -44,6 +44,11 @@ COMMANDS: dict[str, tuple[str, bool, str]] = {
     "ui": ("registry", False, "Start the MLflow UI on 127.0.0.1 against the project's store."),
     "canary": ("canary", False, "Parity with PEFT and spec-decode speed of an adapter on a staging vLLM."),
     "merge": ("merge", False, "Merge an adapter into the bf16 base, streamed, gated on parity."),
+    "merge-parity": (
+        "merge",
+        False,
+        "Merged NVFP4 model vs its adapter hot-loaded on the NVFP4 base, on vLLM: parity gate, tok/s, MTP acceptance.",
+    ),
     "run": ("jobs", False, "The scheduled job: retrain if inputs changed, validate, register, publish."),
     "follow-alias": ("jobs", False, "Publish a model's ALIAS version whenever the alias moves."),
     "fleet": ("fleet", True, "The vLLM fleet: what it serves, reconcile, prune old versions."),

@@ -176,6 +176,17 @@ def _canary_detail(c: dict | None) -> str:
     return ",".join(parts)
 
 
+def _merged_detail(m: dict | None) -> str:
+    """`pass:hot=90/2.1,merged=150/3.4`: merged-vs-hot-loaded parity verdict, decode tok/s / MTP acceptance length."""
+    if not m:
+        return ""
+
+    def side(k):
+        return f"{m.get(k + '_tok_s')}/{m.get(k + '_acceptance_length')}"
+
+    return f"{m.get('verdict')}:hot={side('hot')},merged={side('merged')}"
+
+
 def _serving(r: dict) -> list[str]:
     return [
         s["instance"] + ("" if s.get("state") in (None, "ok") else f"({s['state']})") for s in r["serving"]
@@ -199,6 +210,7 @@ STATUS_COLUMNS = (
     Column("RUN_ID", lambda r: r["run_id"], wide=True),
     Column("CANARY_DETAIL", lambda r: _canary_detail(r.get("canary")), wide=True),
     Column("GATE_REASON", lambda r: (r.get("gate") or {}).get("reason"), wide=True),
+    Column("MERGED", lambda r: _merged_detail(r.get("merged")), wide=True),
 )
 
 

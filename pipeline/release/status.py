@@ -26,6 +26,8 @@ from pipeline.release.desired import volume_rows
 
 _VERSION = re.compile(r"^v?(\d+)$")
 CANARY_TAG = "canary."  # pipeline.canary.record.TAG
+MERGED_TAG = "merge.served."  # pipeline.merge.served.TAG (`pipeline merge-parity`: merged vs hot-loaded)
+MERGED_TEXT = ("verdict", "time", "merged_dir")
 # Version tags that hold numbers: `status --json` gives them as numbers.
 NUMERIC_TAGS = ("eval_loss", "train_loss", "tokens_per_s", "mfu")
 
@@ -69,6 +71,16 @@ def _canary(tags: dict) -> dict | None:
     return c
 
 
+def _merged(tags: dict) -> dict | None:
+    """The merged-vs-hot-loaded side-by-side of a version (`pipeline merge-parity`), numbers as numbers."""
+    keys = [k[len(MERGED_TAG) :] for k in tags if k.startswith(MERGED_TAG)]
+    if "verdict" not in keys:
+        return None
+    return {
+        k: tags[MERGED_TAG + k] if k in MERGED_TEXT else number(tags[MERGED_TAG + k]) for k in sorted(keys)
+    }
+
+
 def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> dict:
     """Everything `pipeline status` shows, as JSON-able data (numbers as numbers).
 
@@ -76,7 +88,8 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
     {alias: version}, "versions": [{"version", "aliases", "verdict", "gate": None | {"verdict",
     "reason"}, "eval_loss", "train_loss", "tokens_per_s", "weights_sha256", "published_path",
     "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}],
-    "canary": None | {"verdict", "token_agreement", ...}}]}], "fleet": [...] | None,
+    "canary": None | {"verdict", "token_agreement", ...}, "merged": None | {"verdict", "hot_tok_s",
+    "merged_tok_s", "hot_acceptance_length", "merged_acceptance_length", "agreement", ...}}]}], "fleet": [...] | None,
     "fleet_error": str | None, "volume": [{"adapter", "desired", "state": drift | corrupt | absent
     | error, "detail"}]}; versions newest first; losses in nats, tokens_per_s per second.
     Raises UsageError: `name` is not a registered model (the message lists those that exist).
@@ -127,6 +140,7 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
                     "events": events(SimpleNamespace(tags=t)),
                     "serving": serving,
                     "canary": _canary(t),
+                    "merged": _merged(t),
                 }
             )
         models.append({"name": n, "aliases": rec.aliases, "versions": rows})
