@@ -118,6 +118,7 @@ def test_layers_point_one_way():
     """Lower layers never import upper ones: artifacts/serving < registry/fleet < stages < release/jobs < cli."""
     rank = {
         "pipeline.errors": 0,
+        "pipeline.interrupt": 0,
         "pipeline.config": 0,
         "pipeline.findings": 0,
         "pipeline.artifacts": 0,

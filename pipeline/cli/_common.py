@@ -16,6 +16,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from pipeline import interrupt
 from pipeline.errors import (
     CheckFailed,
     FleetError,
@@ -25,6 +26,7 @@ from pipeline.errors import (
     PipelineError,
     UsageError,
 )
+from pipeline.interrupt import Interrupted
 
 log = logging.getLogger("pipeline")
 
@@ -204,7 +206,8 @@ class PipelineGroup(TyperGroup):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with interrupt.handling():  # SIGTERM/SIGINT/SIGHUP: clean-up runs, then exit 128+N
+                return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except click.ClickException as e:
@@ -215,15 +218,29 @@ class PipelineGroup(TyperGroup):
                 )
                 raise typer.Exit(e.exit_code) from None
             raise
-        except Exception as e:
-            code = exit_code_for(e)
-            if code is None:
-                e = as_pipeline_error(e)
-                if e is None:
-                    raise
-                code = exit_code_for(e)
+        except (Exception, Interrupted) as e:
+            resolved = resolve_error(e)
+            if resolved is None:
+                raise
+            e, code = resolved
             report_error(e, code)
             raise typer.Exit(code) from None
+
+
+def resolve_error(exc: BaseException) -> tuple[BaseException, int] | None:
+    """(the error to report, its exit code) for anything a command raised, or None for a bug (let it raise).
+
+    The one mapping every command goes through (`PipelineGroup.invoke`; `pipeline run` asks it
+    too, for its final JSON line): `EXIT_CODES`, then library and OS failures as the pipeline
+    errors they are (`as_pipeline_error`), and a stop by signal as 128 + the signal's number.
+    """
+    if isinstance(exc, Interrupted):
+        return exc, exc.exit_code
+    code = exit_code_for(exc)
+    if code is not None:
+        return exc, code
+    err = as_pipeline_error(exc)
+    return None if err is None else (err, exit_code_for(err))
 
 
 CONFIG_META = "pipeline.config_file"

@@ -64,7 +64,7 @@ def real_base(
     template: what `pipeline train axolotl_configs/qwen3.6-27b-lora.yml --set base_model=OUT` needs
     on a host without the model hub. 64 layers: ~54 GB on disk.
     """
-    build_real_base(out, layers, device=device.value, seed=seed, shard_gb=shard_gb, echo=typer.echo)
+    build_real_base(out, layers, device=device.value, seed=seed, shard_gb=shard_gb)
 
 
 class QuantDevice(StrEnum):

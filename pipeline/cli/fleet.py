@@ -19,6 +19,7 @@ from pipeline.fleet.modes import loading_mode, resolve_served_name
 from pipeline.fleet.reconcile import CONVERGED
 from pipeline.fleet.reconcile import status as fleet_status
 from pipeline.fleet.reconcile import sync as fleet_sync
+from pipeline.interrupt import Interrupted
 from pipeline.jobs.follow import follow_alias as follow
 from pipeline.release.desired import volume_rows
 from pipeline.release.prune import prune as fleet_prune
@@ -89,6 +90,15 @@ def sync(
 
     With --follow-alias, moving the alias in the MLflow UI ships that version (polled every --interval).
     """
+    try:
+        _sync(watch, interval, as_json, follow_alias)
+    except Interrupted as e:
+        if not watch:
+            raise
+        log.info("fleet sync --watch: %s", e)  # a daemon's normal stop: a pass in flight was completed
+
+
+def _sync(watch: bool, interval: float, as_json: bool, follow_alias: str | None) -> None:
     if follow_alias:
         cfg = project_config()
         published = follow(
@@ -97,7 +107,6 @@ def sync(
             interval,
             once=not watch,
             on_poll=(lambda: print_reports(fleet_sync(cfg), as_json)) if cfg.fleet.instances else None,
-            echo=lambda m: typer.echo(m, err=True),
         )
         if not watch:
             typer.echo(f"published {len(published)} version(s) following alias {follow_alias!r}")
@@ -108,7 +117,7 @@ def sync(
         except LockedError as e:
             if not watch:
                 raise
-            typer.echo(f"skipped pass: {e}", err=True)
+            log.warning("skipped pass: %s", e)
             reports = None
         if reports is not None:
             print_reports(reports, as_json)

@@ -11,16 +11,9 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import (
-    adapter_name,
-    as_pipeline_error,
-    err,
-    exit_code_for,
-    finite,
-    log,
-    project_config,
-)
-from pipeline.errors import GateFailed, UsageError
+from pipeline.cli._common import adapter_name, finite, log, project_config, resolve_error
+from pipeline.errors import UsageError
+from pipeline.interrupt import Interrupted
 from pipeline.jobs.follow import WebhookReceiver, follow_alias
 from pipeline.jobs.run import run
 
@@ -44,7 +37,8 @@ def run_cmd(
 
     Retrain if inputs changed, validate, register, gate, publish. Last line: one JSON object.
 
-    Exit codes: 0 published or skipped, 1 check failed, 2 usage, 3 locked, 4 fleet, 5 gated.
+    Exit codes: 0 published or skipped, 1 check failed, 2 usage, 3 locked, 4 fleet, 5 gated,
+    143/130 stopped by SIGTERM/SIGINT (status `killed`; a publish in progress is completed first).
     """
     try:
         out = run(
@@ -55,25 +49,27 @@ def run_cmd(
             overrides=set_,
             overlays=overlay,
             allow=set(allow),
-            echo=log.info,
             show_progress=True,  # a bar on a terminal, a progress line every 30 s otherwise
         )
-    except GateFailed as e:
-        err(str(e))
-        typer.echo(e.outcome.to_json())
-        raise typer.Exit(exit_code_for(e)) from None
-    except Exception as e:
-        code = exit_code_for(e)
-        if code is None:
-            e = as_pipeline_error(e)
-            if e is None:
-                raise
-            code = exit_code_for(e)
-        err(str(e))
-        status = "locked" if code == 3 else "failed"
-        typer.echo(json.dumps({"status": status, "reason": str(e).splitlines()[0], "exit_code": code}))
-        raise typer.Exit(code) from None
+    except (Exception, Interrupted) as e:
+        # The last line is the job's JSON outcome whatever happened; the error itself, its message
+        # and its exit code are `PipelineGroup`'s (the one mapping), after this.
+        resolved = resolve_error(e)
+        if resolved is not None:
+            typer.echo(final_line(*resolved))
+        raise
     typer.echo(out.to_json())
+
+
+def final_line(e: BaseException, code: int) -> str:
+    """The JSON outcome `pipeline run` prints last when it did not finish: gated, locked, killed, failed."""
+    outcome = getattr(e, "outcome", None)
+    if isinstance(e, Interrupted) and outcome is not None:
+        outcome.reason = f"{e} during {outcome.stage}" + (f": {outcome.reason}" if outcome.reason else "")
+    if outcome is not None:
+        return outcome.to_json(exit_code=code)
+    status = {3: "locked"}.get(code, "killed" if isinstance(e, Interrupted) else "failed")
+    return json.dumps({"status": status, "reason": str(e).splitlines()[0], "exit_code": code})
 
 
 @app.command("follow-alias")
@@ -109,8 +105,9 @@ def follow_alias_cmd(
         typer.echo(f"webhook receiver: {ctx.url}")
     with ctx:
         try:
-            done = follow_alias(cfg, alias, interval, once, names=name or None, echo=typer.echo, wake=wake)
-        except KeyboardInterrupt:
+            done = follow_alias(cfg, alias, interval, once, names=name or None, wake=wake)
+        except Interrupted as e:  # a sidecar's normal stop (a publish in flight was completed first)
+            log.info("follow-alias: %s", e)
             return
     if once:
         typer.echo(f"published {len(done)} version(s)")

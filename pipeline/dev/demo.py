@@ -38,7 +38,6 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path) -> dict:
         axolotl_config,
         overrides=[f"base_model={base_dir}", f"dataset_prepared_path={cfg.state_dir / 'prepared'}"],
         name=name,
-        echo=log.info,
         show_progress=True,  # a bar on a terminal, log lines otherwise
     )
     times["train"] = time.time() - t

@@ -27,6 +27,7 @@ transformers' defaults. Cost per token depends on none of these.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,8 @@ from pathlib import Path
 from pipeline.dev.output import write_whole
 from pipeline.dev.tinybase import build_tokenizer
 from pipeline.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 # Qwen3.6-27B text geometry (docs/qwen3.6-27b.md; the model's public config.json).
 QWEN36_27B_TEXT = dict(
@@ -180,7 +183,6 @@ def build_real_base(
     threads: int = 8,
     text_overrides: dict | None = None,
     vision_overrides: dict | None = None,
-    echo=print,
 ) -> Path:
     """Write a random-weight bf16 Qwen3.6-27B-geometry checkpoint with `layers` layers to `out`.
 
@@ -209,14 +211,12 @@ def build_real_base(
         raise UsageError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
     cfg = real_config(layers, text_overrides, vision_overrides)
     with write_whole(out) as partial:
-        _write_real_base(
-            partial, cfg, device=device, seed=seed, shard_gb=shard_gb, threads=threads, echo=echo
-        )
-    echo(f"checkpoint in {out}")
+        _write_real_base(partial, cfg, device=device, seed=seed, shard_gb=shard_gb, threads=threads)
+    log.info("checkpoint in %s", out)
     return Path(out)
 
 
-def _write_real_base(out: Path, cfg, *, device: str, seed: int, shard_gb: float, threads: int, echo) -> None:
+def _write_real_base(out: Path, cfg, *, device: str, seed: int, shard_gb: float, threads: int) -> None:
     """Draw the weights of `cfg` on `device` and write shards, index, config and tokenizer into `out`."""
     import torch
     from safetensors.torch import save_file
@@ -235,8 +235,11 @@ def _write_real_base(out: Path, cfg, *, device: str, seed: int, shard_gb: float,
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     tensors = {k: v for k, v in model.state_dict().items()}
     tensors.update(_mtp_tensors(model, gen, device))
-    echo(
-        f"drew {sum(t.numel() for t in tensors.values()) / 1e9:.2f} B parameters on {device} in {time.time() - t0:.1f} s"
+    log.info(
+        "drew %.2f B parameters on %s in %.1f s",
+        sum(t.numel() for t in tensors.values()) / 1e9,
+        device,
+        time.time() - t0,
     )
 
     groups = _shards(tensors, int(shard_gb * 1e9))
@@ -263,4 +266,4 @@ def _write_real_base(out: Path, cfg, *, device: str, seed: int, shard_gb: float,
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False).save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2))
-    echo(f"wrote {total / 1e9:.1f} GB in {n} shards in {time.time() - t0:.1f} s")
+    log.info("wrote %.1f GB in %d shards in %.1f s", total / 1e9, n, time.time() - t0)

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from pipeline.errors import (
 )
 from pipeline.fleet.state import load_state
 from pipeline.release.publish import publish
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "X-MLflow-Signature"
 DELIVERY_HEADER = "X-MLflow-Delivery-Id"
@@ -96,7 +99,6 @@ def follow_alias(
     names: list[str] | None = None,
     on_publish: Callable | None = None,
     on_poll: Callable[[], None] | None = None,
-    echo: Callable[[str], None] = print,
     stop: threading.Event | None = None,
     wake: threading.Event | None = None,
 ) -> list:
@@ -117,7 +119,8 @@ def follow_alias(
     checks (validation not passed, unknown) is reported once and skipped until the alias moves
     again; other errors (registry unreachable, volume full, fleet not converged) are reported and
     retried next poll, and with `once` raised after the pass (a one-shot job must fail).
-    Returns the list of `Published` (useful with `once=True`).
+    Returns the list of `Published` (useful with `once=True`). Messages go to this module's
+    logger (`pipeline.jobs.follow`); a publish's own warnings (a recovered transaction) too.
     """
 
     if interval_s <= 0:
@@ -132,14 +135,14 @@ def follow_alias(
         try:
             todo = names or registry.model_names(cfg)
         except Exception as e:  # registry unreachable: try again next poll
-            echo(f"follow {alias}: cannot list models: {e}")
+            log.warning("follow %s: cannot list models: %s", alias, e)
             failed.append(e)
             todo = []
         for name in todo:
             try:
                 v = registry.alias_version(cfg, name, alias)
             except Exception as e:
-                echo(f"follow {alias}: {name}: cannot read alias: {e}")
+                log.warning("follow %s: %s: cannot read alias: %s", alias, name, e)
                 failed.append(e)
                 continue
             if v is None or seen.get(name) == v:
@@ -150,20 +153,22 @@ def follow_alias(
             try:
                 pub = ship(cfg, name, v, alias)
             except TRANSIENT as e:
-                echo(f"follow {alias}: {name} v{v}: publish failed, retrying next poll: {e}")
+                log.warning("follow %s: %s v%s: publish failed, retrying next poll: %s", alias, name, v, e)
                 failed.append(e)
                 continue
             except (CheckFailed, UsageError) as e:
-                echo(f"follow {alias}: {name} v{v} not published: {e}")
+                log.warning("follow %s: %s v%s not published: %s", alias, name, v, e)
                 seen[name] = v  # permanent for this version: wait for the alias to move again
                 continue
             except (PipelineError, Exception) as e:  # noqa: B014 - transient: retry next poll
-                echo(f"follow {alias}: {name} v{v}: publish failed, retrying next poll: {e}")
+                log.warning("follow %s: %s v%s: publish failed, retrying next poll: %s", alias, name, v, e)
                 failed.append(e)
                 continue
             seen[name] = v
             shipped.append(pub)
-            echo(f"follow {alias}: published {name} v{v} -> {pub.path}")
+            for w in pub.warnings:
+                log.warning("follow %s: %s v%s: %s", alias, name, v, w)
+            log.info("follow %s: published %s v%s -> %s", alias, name, v, pub.path)
             if on_publish is not None:
                 on_publish(pub)
         if on_poll is not None:

@@ -16,14 +16,22 @@ the base identity): the same value `pipeline train` writes into the manifest and
 registration tags as `run.fingerprint`, so versions from `demo` or `train` + `register` count.
 A gated candidate carries the gate's verdict and reason (`gate.verdict`, `gate.reason`, a
 `Gate:` line in its description): `pipeline status` and the MLflow UI show why it stayed.
+
+Stopped by SIGTERM/SIGINT (`pipeline.interrupt`: what systemd and Kubernetes send at a timeout):
+training stops (the trainer's process group ends, the MLflow run is marked `KILLED`, the
+checkpoints stay for the next run to resume); registration and publishing are completed first
+(`shielded`), never cut; the `Interrupted` raised carries the outcome (`status: killed`, the stage
+it stopped in, what was registered or published). Progress goes to the `pipeline.jobs.run` logger.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pipeline import registry
 from pipeline.artifacts.fingerprint import training_inputs
@@ -32,6 +40,7 @@ from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
+from pipeline.interrupt import Interrupted, shielded
 from pipeline.release.publish import publish
 from pipeline.release.transaction import checkpoint
 from pipeline.train.config import load_training_config
@@ -39,11 +48,17 @@ from pipeline.train.launch import check_inputs, train
 from pipeline.validate import validate_with_config
 
 FINGERPRINT_TAG = registry.FINGERPRINT_TAG
+log = logging.getLogger(__name__)
+
+RunStatus = Literal["skipped", "published", "gated", "failed", "locked", "killed"]
+Stage = Literal["check", "train", "validate", "register", "gate", "publish", "done"]
 
 
 @dataclass
 class RunOutcome:
-    status: str  # skipped | published | gated | failed
+    """The job's result, printed as its last line (README "Exit codes")."""
+
+    status: RunStatus
     name: str
     fingerprint: str
     run_id: str | None = None
@@ -51,9 +66,14 @@ class RunOutcome:
     published: str | None = None
     reason: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    stage: Stage = "check"  # where the run is (where it stopped, for `killed`)
+    notes: list[str] = field(default_factory=list)  # e.g. an interrupted publish that was completed
 
-    def to_json(self) -> str:
-        return json.dumps({k: v for k, v in vars(self).items()}, sort_keys=True)
+    def to_json(self, exit_code: int | None = None) -> str:
+        data = dict(vars(self))
+        if exit_code is not None:
+            data["exit_code"] = exit_code
+        return json.dumps(data, sort_keys=True)
 
 
 def _versions(cfg: ProjectConfig, name: str) -> list:
@@ -116,7 +136,12 @@ def _ship(
     out: RunOutcome,
     seconds: dict[str, float],
 ) -> RunOutcome:
-    """Gate `version` (validation, eval loss, canary), then publish it. Raises GateFailed when held back."""
+    """Gate `version` (validation, eval loss, canary), then publish it. Raises GateFailed when held back.
+
+    Publishing and recording the gate are shielded from SIGTERM/SIGINT: they complete, then the
+    stop is raised (`Interrupted`, with `out.published` set).
+    """
+    out.stage = "gate"
     why = _gate(cfg, name, verdict, eval_loss)
     if not why and cfg.canary.staging_url:
         # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
@@ -131,15 +156,21 @@ def _ship(
         registry.record_gate(cfg, name, version, "gated", why)
         raise GateFailed(f"{name} v{version} stays `candidate`: {why}", outcome=out)
     t = time.time()
-    try:
-        pub = publish(cfg, name, version=version)
-    except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
-        out.status, out.reason = "gated", str(e)
-        registry.record_gate(cfg, name, version, "gated", str(e))
-        raise GateFailed(f"{name} v{version} stays `candidate`: {e}", outcome=out) from None
-    registry.record_gate(cfg, name, version, "pass", None)
+    out.stage = "publish"
+    with shielded():
+        try:
+            pub = publish(cfg, name, version=version)
+        except CheckFailed as e:  # publish's own gates (validation for these weights, canary floors)
+            out.status, out.reason = "gated", str(e)
+            registry.record_gate(cfg, name, version, "gated", str(e))
+            raise GateFailed(f"{name} v{version} stays `candidate`: {e}", outcome=out) from None
+        out.published = str(pub.path)
+        for w in pub.warnings:  # e.g. "completed an interrupted publish of ..." (a killed run before)
+            log.warning("%s", w)
+            out.notes.append(w)
+        registry.record_gate(cfg, name, version, "pass", None)
     seconds["publish"] = time.time() - t
-    out.status, out.published = "published", str(pub.path)
+    out.status, out.stage = "published", "done"
     return out
 
 
@@ -152,7 +183,6 @@ def run(
     overrides: list[str] = (),
     overlays: list[Path] = (),
     allow: set[str] = frozenset(),
-    echo=print,
     show_progress: bool = False,
 ) -> RunOutcome:
     """Fingerprint, lock, train (or resume), validate, register, gate, publish.
@@ -161,6 +191,7 @@ def run(
         LockedError (exit 3): another run for this adapter holds the lock.
         GateFailed (exit 5): the candidate was registered (alias `candidate`) but not shipped.
         CheckFailed / UsageError / TrainError: bad inputs or training failure (nothing registered).
+        Interrupted (exit 128 + signal): SIGTERM/SIGINT; `.outcome` is the `killed` RunOutcome.
     """
     from filelock import FileLock, Timeout
 
@@ -179,23 +210,25 @@ def run(
         lock.acquire(timeout=0)
     except Timeout:
         raise LockedError(f"another `pipeline run` for {name!r} holds {lock.lock_file}; exiting") from None
+    out = RunOutcome("failed", name, "", seconds=seconds)
     try:
         registry.check_store(cfg)  # a store that cannot be used fails now, before training
         ds = check_inputs(cfg, tc, set(allow))
         fp = training_inputs(ds.fingerprint, tc.data)["fingerprint"]
         seconds["check"] = time.time() - t0
-        out = RunOutcome("failed", name, fp, seconds=seconds)
+        out.fingerprint = fp
         same = None if force else _registered_with(cfg, name, fp)
         if same is not None and _shipped(same):
-            out.status, out.version = "skipped", int(same.version)
+            out.status, out.version, out.stage = "skipped", int(same.version), "done"
             out.reason = f"inputs unchanged: version {same.version} was trained from them (--force retrains)"
             return out
         if same is not None:
             # Registered from these inputs, never published: a run killed between register and
             # publish, or a candidate a gate held back. Gate and publish it now; never skip it.
             tags = same.tags or {}
-            echo(
-                f"v{same.version} was registered from these inputs but never published: gating and publishing it"
+            log.info(
+                "v%s was registered from these inputs but never published: gating and publishing it",
+                same.version,
             )
             out.version, out.run_id = int(same.version), same.run_id
             loss = tags.get("eval_loss")
@@ -210,9 +243,10 @@ def run(
             )
         run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
         t = time.time()
+        out.stage = "train"
         if (run_dir / "adapter" / MANIFEST).exists() and not force:
             adapter_dir = run_dir / "adapter"  # trained before a crash in a later stage
-            echo(f"reusing finished training in {run_dir}")
+            log.info("reusing finished training in %s", run_dir)
         else:
             if force and (run_dir / "adapter").exists():
                 run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}-{int(time.time())}"
@@ -223,7 +257,6 @@ def run(
                 overlays=list(overlays),
                 allow=set(allow),
                 name=name,
-                echo=echo,
                 show_progress=show_progress,
                 run_dir=run_dir,
             ).adapter_dir
@@ -232,10 +265,12 @@ def run(
         out.run_id = manifest.get("mlflow_run_id")
 
         t = time.time()
+        out.stage = "validate"
         report = validate_with_config(cfg, adapter_dir)
         seconds["validate"] = time.time() - t
 
         t = time.time()
+        out.stage = "register"
         again = (
             None
             if force
@@ -243,21 +278,26 @@ def run(
                 cfg, name, manifest.get("files", {}).get("adapter_model.safetensors", "")
             )
         )
-        if again is not None:  # registered by a run killed before it could tag the fingerprint
-            version = int(again.version)
-            echo(f"reusing v{version}: already registered with these weights")
-        else:
-            version = registry.register_adapter(
-                cfg, adapter_dir, name, report.to_dict()
-            ).version  # tags run.fingerprint
-        checkpoint("run-after-register")
-        registry.set_version_tags(cfg, name, version, {FINGERPRINT_TAG: fp})  # also on a reused version
-        checkpoint("run-after-tag")
-        out.version = version
+        with shielded():  # a registration is completed (version, tags), never cut half-way
+            if again is not None:  # registered by a run killed before it could tag the fingerprint
+                version = int(again.version)
+                log.info("reusing v%s: already registered with these weights", version)
+            else:
+                version = registry.register_adapter(
+                    cfg, adapter_dir, name, report.to_dict()
+                ).version  # tags run.fingerprint
+            out.version = version
+            checkpoint("run-after-register")
+            registry.set_version_tags(cfg, name, version, {FINGERPRINT_TAG: fp})  # also on a reused version
+            checkpoint("run-after-tag")
         seconds["register"] = time.time() - t
         return _ship(
             cfg, name, version, report.verdict, manifest.get("metrics", {}).get("eval_loss"), out, seconds
         )
+    except Interrupted as e:
+        out.status = "killed"
+        e.outcome = out
+        raise
     finally:
         seconds["total"] = time.time() - t0
         lock.release()

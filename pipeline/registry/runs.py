@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pipeline.config import ProjectConfig
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
@@ -40,7 +41,12 @@ def start_training_run(cfg: ProjectConfig, run_name: str, params: dict, datasets
 
 
 def finish_training_run(
-    cfg: ProjectConfig, run_id: str, metrics: dict, artifacts: list[Path], ok: bool
+    cfg: ProjectConfig,
+    run_id: str,
+    metrics: dict,
+    artifacts: list[Path],
+    ok: bool,
+    status: Literal["FINISHED", "FAILED", "KILLED"] | None = None,
 ) -> None:
     """Log train's summary (losses, `tokens_per_s`, `mfu`, runtime) and artifacts; end the run.
 
@@ -51,6 +57,8 @@ def finish_training_run(
     the run gets the tag `mfu.unavailable` saying why, so the UI does not just lack a number.
     Per-step metrics (loss, eval_loss, learning_rate, grad_norm, tokens/train_per_sec_per_gpu)
     are logged by axolotl's own MLflow integration into the same run (MLFLOW_RUN_ID).
+    `status`: the run's end state (MLflow's RunStatus names); default FINISHED when `ok`, else
+    FAILED; KILLED for a training stopped by a signal.
     """
     mlflow = mlflow_for(cfg)
     client = mlflow.MlflowClient()
@@ -64,7 +72,7 @@ def finish_training_run(
     for a in artifacts:
         if Path(a).exists():
             client.log_artifact(run_id, str(a))
-    client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+    client.set_terminated(run_id, status or ("FINISHED" if ok else "FAILED"))
 
 
 def reopen_training_run(cfg: ProjectConfig, run_id: str) -> None:

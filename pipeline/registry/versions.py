@@ -12,6 +12,7 @@ from pipeline.artifacts.manifest import read_manifest, verify_files
 from pipeline.artifacts.names import check_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
+from pipeline.interrupt import shielded
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
 
 ALIAS_CANDIDATE = "candidate"
@@ -159,6 +160,11 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
             f"{adapter_dir}: files differ from manifest.json (edited after training?); nothing registered:\n  "
             + "\n  ".join(problems)
         )
+    with shielded():  # SIGTERM/SIGINT wait for the version, its tags and alias (pipeline/interrupt.py)
+        return _register(cfg, adapter_dir, name, report, manifest)
+
+
+def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, manifest: dict) -> Registered:
     mlflow = mlflow_for(cfg)
     client = mlflow.MlflowClient()
     run_id = manifest.get("mlflow_run_id")

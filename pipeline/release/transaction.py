@@ -56,9 +56,11 @@ from pipeline.fleet.instances import InstanceReport
 from pipeline.fleet.reconcile import sync_locked
 from pipeline.fleet.rollout import rollout
 from pipeline.fleet.state import fleet_lock, load_state, save_state
+from pipeline.interrupt import shielded
 from pipeline.registry.store import as_store_error
 
 KILL_ENV = "PIPELINE_TEST_KILL_AT"
+KILL_SIGNAL_ENV = "PIPELINE_TEST_KILL_SIGNAL"
 SCHEMA = 1
 OPS = ("publish", "rollback")
 PHASES = ("prepared", "volume", "fleet")
@@ -68,9 +70,12 @@ hook: Callable[[str], None] | None = None
 
 
 def checkpoint(point: str) -> None:
-    """A named point of a transaction where a test can inject a crash (see the module doc)."""
+    """A named point of a transaction where a test can inject a crash (see the module doc).
+
+    `PIPELINE_TEST_KILL_SIGNAL` (e.g. `SIGTERM`) sends that signal instead of SIGKILL: what a
+    scheduler's timeout sends."""
     if os.environ.get(KILL_ENV) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, os.environ.get(KILL_SIGNAL_ENV, "SIGKILL")))
     if hook is not None:
         hook(point)
 
@@ -354,10 +359,15 @@ def adapter_transaction(cfg: ProjectConfig, name: str, prefer: str = "complete")
     """
     check_name(name)
     vol = cfg.volume.path
-    with file_lock(
-        adapter_lock_path(vol, name),
-        cfg.fleet.lock_timeout_s,
-        f"another publish, promote, rollback or prune of {name!r}",
+    # SIGTERM/SIGINT wait until the transaction is complete (pipeline/interrupt.py); SIGKILL is
+    # what the intent record is for.
+    with (
+        shielded(),
+        file_lock(
+            adapter_lock_path(vol, name),
+            cfg.fleet.lock_timeout_s,
+            f"another publish, promote, rollback or prune of {name!r}",
+        ),
     ):
         tx = Transaction(name)
         tx.recovered = recover(cfg, name, prefer)

@@ -38,6 +38,7 @@ from pipeline.artifacts.names import check_name, default_name
 from pipeline.children import guarded
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError
+from pipeline.interrupt import Interrupted, shielded
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
 from pipeline.train.metrics import read_metrics, summarise
@@ -294,10 +295,16 @@ def train(
         )
         try:
             follow_progress(proc, metrics_file, progress_mode(show_progress))
-        except BaseException:
-            proc.terminate()
-            proc.wait(30)
-            registry.finish_training_run(cfg, run_id, {}, [run_dir / "train.log"], ok=False)
+        except BaseException as e:
+            stopped = isinstance(e, Interrupted | KeyboardInterrupt)  # SIGTERM/SIGINT: KILLED, not FAILED
+            with shielded():  # the clean-up itself is not cut by a second signal
+                proc.terminate()  # the guard ends the trainer's process group (no grace: pipeline/children.py)
+                proc.wait(30)
+                registry.finish_training_run(
+                    cfg, run_id, {}, [run_dir / "train.log"], ok=False, status="KILLED" if stopped else None
+                )
+            if stopped:
+                log.warning("training stopped; %s keeps its checkpoints: the next run resumes", run_dir)
             raise
     summary = summarise(read_metrics(metrics_file), cfg.train.peak_tflops)
     out_dir = run_dir / "output"

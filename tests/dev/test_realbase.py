@@ -57,7 +57,6 @@ def test_builds_the_real_layout(tmp_path):
         text_overrides=SMALL_TEXT,
         vision_overrides=SMALL_VISION,
         shard_gb=0.002,
-        echo=lambda m: None,
     )
     idx = json.loads((out / "model.safetensors.index.json").read_text())
     names = set(idx["weight_map"])

@@ -52,10 +52,10 @@ def test_killed_between_register_and_publish_is_published_by_the_next_run(setup,
     reg = registry.register_adapter(cfg, adapter, "resume", report)
     registry.set_version_tags(cfg, "resume", reg.version, {FINGERPRINT_TAG: fp})  # then the kill
 
-    out = run(cfg, TINY, name="resume", overrides=sets, echo=lambda m: None)
+    out = run(cfg, TINY, name="resume", overrides=sets)
     assert (out.status, out.version) == ("published", reg.version)
     assert registry.alias_version(cfg, "resume", "production") == reg.version
-    out = run(cfg, TINY, name="resume", overrides=sets, echo=lambda m: None)  # now it is shipped
+    out = run(cfg, TINY, name="resume", overrides=sets)  # now it is shipped
     assert (out.status, out.version) == ("skipped", reg.version)
 
 
@@ -69,7 +69,7 @@ def test_a_gated_candidate_is_gated_again_not_skipped(setup, release_adapters):
     cand = registry.register_adapter(cfg, release_adapters[0][0], "gated", release_adapters[0][1])
     registry.set_version_tags(cfg, "gated", cand.version, {FINGERPRINT_TAG: fp})
     with pytest.raises(GateFailed) as e:
-        run(cfg, TINY, name="gated", overrides=sets, echo=lambda m: None)
+        run(cfg, TINY, name="gated", overrides=sets)
     assert e.value.outcome.status == "gated" and e.value.outcome.version == cand.version
     assert registry.alias_version(cfg, "gated", "production") == prod.version
 
@@ -82,7 +82,7 @@ def test_killed_between_register_and_fingerprint_tag_registers_once(setup, relea
     shutil.copytree(release_adapters[0][0], run_dir / "adapter")
     reg = registry.register_adapter(cfg, run_dir / "adapter", "tagless", release_adapters[0][1])
     cfg.base.path = Path(tiny_base)
-    out = run(cfg, TINY, name="tagless", overrides=sets, echo=lambda m: None)
+    out = run(cfg, TINY, name="tagless", overrides=sets)
     assert (out.status, out.version) == ("published", reg.version)
     assert [int(v.version) for v in registry.versions(cfg, "tagless")] == [reg.version]
     assert registry.versions(cfg, "tagless")[0].tags[FINGERPRINT_TAG] == fp
@@ -96,7 +96,7 @@ def test_publish_gate_refusal_is_a_gated_run(setup, release_adapters):
     registry.set_version_tags(cfg, "canaried", cand.version, {FINGERPRINT_TAG: fp})
     cfg.canary.required = True
     with pytest.raises(GateFailed) as e:
-        run(cfg, TINY, name="canaried", overrides=sets, echo=lambda m: None)
+        run(cfg, TINY, name="canaried", overrides=sets)
     out = e.value.outcome
     assert (out.status, out.version) == ("gated", cand.version) and "canary" in out.reason
     assert registry.alias_version(cfg, "canaried", "production") is None

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from pipeline import registry
 from pipeline.errors import UsageError
 from tests.support import registry_support
+from tests.support.helpers import log_messages
 from tests.support.registry_support import free_port, register
 
 # session fixtures shared by the tests/test_registry*.py modules
@@ -197,7 +198,6 @@ def _follow_in_thread(cfg, name, interval, **kw):
             "names": [name],
             "on_publish": on_publish,
             "stop": stop,
-            "echo": lambda m: None,
             "on_poll": polled.set,
             **kw,
         },
@@ -218,7 +218,7 @@ def test_follow_alias_publishes_within_one_poll_interval(registry_project, two_a
     register(cfg, two_adapters[1], tiny_base, name)
     publish(cfg, name, version=1)
     # already shipped: nothing to do
-    assert follow_alias(cfg, "production", 1, once=True, names=[name], echo=lambda m: None) == []
+    assert follow_alias(cfg, "production", 1, once=True, names=[name]) == []
 
     interval = 2.0
     t, stop, got, shipped = _follow_in_thread(cfg, name, interval)
@@ -254,8 +254,7 @@ def test_follow_alias_catches_up_after_downtime_and_skips_failing_versions(
     publish(cfg, name, version=2)
     publish(cfg, name, version=1)  # v2 is on the volume, but v1 was shipped last
     _client(cfg).set_registered_model_alias(name, "production", "2")  # moved while nobody followed
-    msgs: list[str] = []
-    done = follow_alias(cfg, "production", 1, once=True, names=[name], echo=msgs.append)
+    done = follow_alias(cfg, "production", 1, once=True, names=[name])
     assert [p.version for p in done] == [2]
     assert registry.aliases(cfg, name)["previous"] == 1
 
@@ -263,7 +262,8 @@ def test_follow_alias_catches_up_after_downtime_and_skips_failing_versions(
     rep.add("test.injected", "error", "injected failure")
     registry.register_adapter(cfg, two_adapters[0], name, rep.to_dict())  # v3 fails validation
     _client(cfg).set_registered_model_alias(name, "production", "3")
-    assert follow_alias(cfg, "production", 1, once=True, names=[name], echo=msgs.append) == []
+    with log_messages() as msgs:
+        assert follow_alias(cfg, "production", 1, once=True, names=[name]) == []
     assert any("v3 not published" in m and "verdict" in m for m in msgs)
     assert not (cfg.volume.path / f"{name}-v3").exists()
 
@@ -334,9 +334,9 @@ def test_using_one_store_does_not_redirect_the_next_config(registry_project, tmp
 
 def test_status_survives_an_unreachable_fleet(registry_project, two_adapters, tiny_base, capsys):
     """The fleet column comes from the instances; one that refuses connections is reported, not fatal."""
-    from pipeline.config import Instance
     from pipeline.cli._common import setup_logging
     from pipeline.cli.render import Output, print_status
+    from pipeline.config import Instance
     from pipeline.release.status import collect
 
     cfg = registry_project.model_copy(deep=True)

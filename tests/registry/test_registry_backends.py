@@ -73,7 +73,7 @@ def _flow(cfg, adapters, base, name: str, tmp_path) -> None:
     assert registry.aliases(cfg, name)["production"] == 2 and registry.aliases(cfg, name)["previous"] == 1
     assert registry.rollback_aliases(cfg, name) == (2, 1)
     client.set_registered_model_alias(name, "production", "3")
-    shipped = follow_alias(cfg, "production", 1, once=True, names=[name], echo=lambda m: None)
+    shipped = follow_alias(cfg, "production", 1, once=True, names=[name])
     assert [p.version for p in shipped] == [3]
     al = registry.aliases(cfg, name)
     assert (al["production"], al["previous"]) == (3, 1)

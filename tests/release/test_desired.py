@@ -133,7 +133,7 @@ def test_follower_leaves_an_alias_moved_during_its_publish_and_ships_it_next(cfg
     with hooked(gate):
         f = Worker(
             "F",
-            lambda: follow_alias(cfg, "production", 1, once=True, names=["ui-moves"], echo=lambda m: None),
+            lambda: follow_alias(cfg, "production", 1, once=True, names=["ui-moves"]),
         )
         f.start()
         assert gate.reached.wait(60)
@@ -144,7 +144,5 @@ def test_follower_leaves_an_alias_moved_during_its_publish_and_ships_it_next(cfg
     assert [p.version for p in f.result] == [2]
     assert registry.alias_version(cfg, "ui-moves", "production") == 3  # the user's move stands
     assert desired(cfg, "ui-moves") == 2 and registry.alias_version(cfg, "ui-moves", "previous") == 1
-    assert [
-        p.version for p in follow_alias(cfg, "production", 1, once=True, names=["ui-moves"], echo=print)
-    ] == [3]
+    assert [p.version for p in follow_alias(cfg, "production", 1, once=True, names=["ui-moves"])] == [3]
     assert desired(cfg, "ui-moves") == 3 and registry.alias_version(cfg, "ui-moves", "previous") == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 
 import yaml
@@ -64,3 +66,30 @@ def write_project_config(root: Path, **sections) -> Path:
     p = root / "pipeline.yaml"
     p.write_text(yaml.safe_dump(data))
     return p
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def log_messages(logger: str = "pipeline"):
+    """The messages logged under `logger` inside the block (a list, filled as they come).
+
+    Its own handler: the CLI's logger `pipeline` does not propagate to the root (pytest's caplog).
+    """
+    h = _Messages()
+    lg = logging.getLogger(logger)
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.DEBUG)
+    try:
+        yield h.messages
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
