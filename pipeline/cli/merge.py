@@ -106,6 +106,7 @@ def merge(
                 hash_files=hash_files,
                 finalize=gate,
                 threads=threads or None,
+                device=device.value,
             )
         else:
             if dtype is not Dtype.bfloat16:

@@ -69,6 +69,7 @@ def merge_adapter(
     extra_manifest: dict | None = None,
     finalize=None,
     threads: int | None = 1,
+    device: str = "auto",
 ) -> MergeResult:
     """Merge `adapter_dir` into `base_dir`, writing a complete checkpoint at `out_dir`.
 
@@ -102,6 +103,12 @@ def merge_adapter(
     if out_dir.exists():
         raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
     plan = plan_merge(adapter_dir, base_dir, dtype)
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise MergeError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
     # The adapter is small: ~233 MB bf16 for the 27B at r=16 on all text linears.
     lora = load_file(str(adapter_dir / WEIGHTS_FILE))
 
@@ -110,8 +117,6 @@ def merge_adapter(
     os.chmod(partial, 0o755)  # mkdtemp makes 0700; servers may run as another user
     merged: list[str] = []
     written = 0
-    import torch
-
     threads_before = torch.get_num_threads()
     try:
         if threads:
@@ -123,7 +128,7 @@ def merge_adapter(
                 name = shard.src.name
                 task = bar.add_task(name, total=shard.nbytes)
                 names, digest = write_shard(
-                    shard, partial / name, lora, lambda n, t=task: bar.advance(t, n), hash_files
+                    shard, partial / name, lora, lambda n, t=task: bar.advance(t, n), hash_files, device
                 )
                 merged += names
                 written += shard.nbytes
@@ -147,6 +152,7 @@ def merge_adapter(
             }
         )
         manifest = _manifest(plan, merged, files if hash_files else None, time.time() - t0, written)
+        manifest["merge"]["device"] = str(device)
         manifest.update(extra_manifest or {})
         seconds = time.time() - t0
         torch.set_num_threads(threads_before)  # the gate picks its own
@@ -207,6 +213,7 @@ def merge_and_quantize(
             hash_files=False,
             finalize=finalize,
             threads=threads,
+            device=device,
         )
         partial = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
         os.chmod(partial, 0o755)

@@ -1,8 +1,17 @@
-"""Writing merged shards: byte-range copies of untouched tensors, chunked W + scale * B @ A for adapted ones."""
+"""Writing merged shards: byte-range copies of untouched tensors, chunked W + scale * B @ A for adapted ones.
+
+Where the time goes (benchmarks/merge.py, 2 cores): torch's start-up, the sha256 of every output
+byte (~1 GB/s on one core), and the arithmetic (~1.5 GB/s of bf16 per core with 16 MB chunks);
+the bytes themselves move in the kernel (`copy_file_range` for untouched tensors, the page cache
+for the source). So: the source is read in place through a mapping (no copy), untouched tensors
+are copied in the kernel even when hashing (the hash reads the source's mapping), and compute,
+write and hash run on three threads.
+"""
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -13,6 +22,7 @@ from pipeline.artifacts.hashing import sha256_file
 from pipeline.merge.plan import CHUNK_BYTES, SKIP_FILES, SKIP_SUFFIXES, Entry, MergeError, ShardPlan
 
 COPY_BYTES = 64 << 20
+PAGE = mmap.PAGESIZE
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -27,32 +37,16 @@ def _header_bytes(entries: list[Entry], metadata: dict | None) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_all(fd: int, buf, h=None) -> None:
+def _write_all(fd: int, buf) -> None:
     mv = memoryview(buf).cast("B")
-    if h is not None:
-        h.update(mv)
     while mv:
         n = os.write(fd, mv)
         mv = mv[n:]
 
 
-def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, h=None) -> None:
-    """Copy `length` bytes at `offset` of src to dst's current position.
-
-
-    In-kernel (`copy_file_range`) unless the bytes must be hashed (`h`): then through a buffer,
-    so that the output is never read back for its sha256 (re-reading it from disk doubled the
-    merge time in benchmarks/merge.py once the page cache had evicted it).
-    """
+def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
+    """Copy `length` bytes at `offset` of src to dst's current position, in the kernel (`copy_file_range`)."""
     done = 0
-    if h is not None:
-        while done < length:
-            chunk = os.pread(src_fd, min(COPY_BYTES, length - done), offset + done)
-            if not chunk:
-                raise OSError(f"source ended {length - done} bytes early")
-            _write_all(dst_fd, chunk, h)
-            done += len(chunk)
-        return
     try:
         while done < length:
             n = os.copy_file_range(src_fd, dst_fd, min(length - done, 1 << 30), offset + done)
@@ -71,15 +65,33 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, h=None) -> N
         done += len(chunk)
 
 
-def _write_merged(src_fd: int, entry: Entry, a, b, advance, write) -> None:
-    """W + scale * (B @ A) in fp32, in row chunks, cast once; each chunk handed to `write`.
+def _drop(mm: mmap.mmap, start: int, end: int) -> None:
+    """Unmap pages of the source that are done (page cache keeps them): RSS stays a few chunks."""
+    lo, hi = start - start % PAGE, end - end % PAGE
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
-    W's raw bytes are read with `preadv` straight into a reused buffer (safetensors data is
-    little-endian, offsets validated by the header check): no per-chunk allocations, no mmap
-    pages left in RSS. Two output buffers alternate so that chunk i is written (and hashed) by
-    the writer thread while chunk i+1 is computed; `write(array)` returns a future.
-    a, b: fp32 A [r, in] and B [out, r] (embedding: A [r, vocab], B [dim, r]).
+def _hash_range(h, mm: mmap.mmap, start: int, length: int) -> None:
+    """sha256 of bytes the kernel copied, read from the source's mapping (never from the output)."""
+    view = memoryview(mm)
+    try:
+        for off in range(start, start + length, COPY_BYTES):
+            end = min(off + COPY_BYTES, start + length)
+            h.update(view[off:end])
+            _drop(mm, off, end)
+    finally:
+        view.release()
+
+
+def _write_merged(src: mmap.mmap, entry: Entry, a, b, advance, out, device) -> None:
+    """W + scale * (B @ A) in fp32, in row chunks, cast once; each chunk handed to `out` (write + sha256).
+
+    W is read in place from the source's mapping (`torch.frombuffer`: no copy into Python buffers,
+    pages unmapped as they are done). Two output buffers alternate so that chunk i is written and
+    hashed by the writer threads while chunk i+1 is computed; `out(array)` returns the futures.
+    a, b: fp32 A [r, in] and B [out, r] (embedding: A [r, vocab], B [dim, r]) on `device`; with a
+    GPU the chunk is computed there (host -> device bf16, fp32 addmm, bf16 back into pinned memory).
     """
     import torch
 
@@ -87,71 +99,89 @@ def _write_merged(src_fd: int, entry: Entry, a, b, advance, write) -> None:
     pair = entry.pair
     rows, cols = entry.shape
     step = max(1, CHUNK_BYTES // (4 * cols))
-    src_buf = torch.empty(step, cols, dtype=dt[entry.src_dtype])
-    acc = torch.empty(step, cols, dtype=torch.float32)
-    out_bufs = [torch.empty(step, cols, dtype=dt[entry.dtype]) for _ in range(2)]
-    pending = [None, None]
-    row_bytes = cols * src_buf.element_size()
-    for k, r0 in enumerate(range(0, rows, step)):
-        n = min(step, rows - r0)
-        raw = src_buf[:n].view(torch.uint8).numpy()
-        if os.preadv(src_fd, [raw], entry.src_offset + r0 * row_bytes) != raw.nbytes:
-            raise MergeError(f"{entry.name}: short read at row {r0}: the base shard changed or is truncated")
-        w = acc[:n]
-        w.copy_(src_buf[:n])
-        if pair.embedding:  # (B [dim, r] @ A [r, vocab]).T rows r0:r0+n = A[:, rows].T @ B.T
-            w.addmm_(a[:, r0 : r0 + n].T, b.T, alpha=pair.scale)
-        else:
-            w.addmm_(b[r0 : r0 + n], a, alpha=pair.scale)
-        if pending[k % 2] is not None:
-            pending[k % 2].result()  # the writer is done with this buffer
-        out = out_bufs[k % 2][:n]
-        out.copy_(w)
-        pending[k % 2] = write(out.view(torch.uint8).numpy())
-        advance(out.numel() * out.element_size())
-    for f in pending:
-        if f is not None:
-            f.result()
+    if entry.src_offset + entry.src_nbytes > len(src):
+        raise MergeError(f"{entry.name}: the base shard ends before this tensor: it changed or is truncated")
+    w_all = torch.frombuffer(src, dtype=torch.uint8, count=entry.src_nbytes, offset=entry.src_offset)
+    w_all = w_all.view(dt[entry.src_dtype]).view(rows, cols)
+    acc = torch.empty(step, cols, dtype=torch.float32, device=device)
+    pin = device.type == "cuda"
+    out_bufs = [torch.empty(step, cols, dtype=dt[entry.dtype], pin_memory=pin) for _ in range(2)]
+    pending: list = [(), ()]
+    row_bytes = cols * w_all.element_size()
+    try:
+        for k, r0 in enumerate(range(0, rows, step)):
+            n = min(step, rows - r0)
+            w = acc[:n]
+            w.copy_(w_all[r0 : r0 + n])
+            if pair.embedding:  # (B [dim, r] @ A [r, vocab]).T rows r0:r0+n = A[:, rows].T @ B.T
+                w.addmm_(a[:, r0 : r0 + n].T, b.T, alpha=pair.scale)
+            else:
+                w.addmm_(b[r0 : r0 + n], a, alpha=pair.scale)
+            for f in pending[k % 2]:
+                f.result()  # the writer and the hasher are done with this buffer
+            o = out_bufs[k % 2][:n]
+            o.copy_(w)
+            pending[k % 2] = out(o.view(torch.uint8).numpy())
+            _drop(src, entry.src_offset + r0 * row_bytes, entry.src_offset + (r0 + n) * row_bytes)
+            advance(o.numel() * o.element_size())
+    finally:
+        for fs in pending:
+            for f in fs:
+                f.result()
+        del w_all  # the mapping must not be exported when the shard closes it
 
 
 def write_shard(
-    plan_shard: ShardPlan, dst: Path, lora: dict, advance, hash_file: bool
+    plan_shard: ShardPlan, dst: Path, lora: dict, advance, hash_file: bool, device=None
 ) -> tuple[list[str], str | None]:
     """Write one output shard (not yet fsynced); returns (merged tensor names, sha256 or None).
 
-
-    All writes to the file go through one writer thread, in order; the main thread reads and
-    computes ahead of it.
+    All writes to the file go through one writer thread, in order; the sha256 is computed by a
+    second thread over the same bytes, in order (merged chunks from the output buffers, copied
+    tensors from the source's mapping while the kernel copies them), so neither waits for the
+    other; the main thread computes ahead of both. `device`: torch device for the arithmetic
+    (default CPU).
     """
     import hashlib
 
     import torch
 
+    device = torch.device(device or "cpu")
     h = hashlib.sha256() if hash_file else None
     merged = []
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     src_fd = os.open(plan_shard.src, os.O_RDONLY)
     futures = []
     try:
-        with ThreadPoolExecutor(max_workers=1) as writer:
+        src = mmap.mmap(
+            src_fd, 0, access=mmap.ACCESS_COPY
+        )  # private + writable: torch.frombuffer; never written
+        with ThreadPoolExecutor(max_workers=1) as writer, ThreadPoolExecutor(max_workers=1) as hasher:
 
-            def submit(fn, *args):
-                futures.append(writer.submit(fn, *args))
+            def submit(pool, fn, *args):
+                futures.append(pool.submit(fn, *args))
                 return futures[-1]
 
-            submit(_write_all, fd, _header_bytes(plan_shard.entries, plan_shard.metadata), h)
+            def out(arr):
+                fs = (submit(writer, _write_all, fd, arr),)
+                return fs + ((submit(hasher, h.update, arr),) if h is not None else ())
+
+            out(_header_bytes(plan_shard.entries, plan_shard.metadata))
             for e in plan_shard.entries:
                 if e.pair is None:
-                    submit(_copy_range, src_fd, fd, e.src_offset, e.src_nbytes, h)
+                    submit(writer, _copy_range, src_fd, fd, e.src_offset, e.src_nbytes)
+                    if h is not None:
+                        submit(hasher, _hash_range, h, src, e.src_offset, e.src_nbytes)
                     advance(e.src_nbytes)
                 else:
-                    a = lora[e.pair.a_key].to(torch.float32)
-                    b = lora[e.pair.b_key].to(torch.float32)
-                    _write_merged(src_fd, e, a, b, advance, lambda arr: submit(_write_all, fd, arr, h))
+                    a = lora[e.pair.a_key].to(device=device, dtype=torch.float32)
+                    b = lora[e.pair.b_key].to(device=device, dtype=torch.float32)
+                    _write_merged(src, e, a, b, advance, out, device)
                     merged.append(e.name)
-                    futures[:] = [f for f in futures if not f.done() or f.exception()]
+                futures[:] = [f for f in futures if not f.done() or f.exception()]
         for f in futures:
             f.result()  # re-raise the first write error
+        src.close()
     finally:
         os.close(src_fd)
         os.close(fd)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from pipeline.artifacts.manifest import verify_files
 from pipeline.artifacts.safetensors import raw_header
 from pipeline.cli import app
+from pipeline.errors import UsageError
 from pipeline.merge import INDEX, MergeMismatch, merge_adapter
 from tests.support.helpers import REPO, peft_adapter
 
@@ -277,3 +278,13 @@ def test_saved_embedding_copy_that_differs_from_base_is_refused(tiny_base, patte
     assert res.exit_code == 1, res.output
     assert "carries its own embed_tokens weights" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_cuda_without_a_gpu_is_refused_before_writing(tiny_base, adapter, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        merge_adapter(adapter, tiny_base, tmp_path / "out", device="cuda")
+    assert list(tmp_path.iterdir()) == []
