@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/pipeline demo
+	@echo "the CLI is $(VENV)/bin/pipeline: 'source $(VENV)/bin/activate' puts 'pipeline' on PATH"
 
 test: setup fleet-env sysdeps
 	$(VENV)/bin/pytest -q

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import adapter_name, finite, log, project_config, resolve_error
-from pipeline.errors import UsageError
+from pipeline.errors import LockedError, UsageError
 from pipeline.interrupt import Interrupted
 from pipeline.jobs.follow import WebhookReceiver, follow_alias
 from pipeline.jobs.run import run
@@ -32,6 +32,14 @@ def run_cmd(
         list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
     ] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
+    locked_ok: Annotated[
+        bool,
+        typer.Option(
+            "--locked-ok",
+            help="exit 0 when another run of this adapter holds the lock (for Kubernetes Jobs, which "
+            "fail on any other code; the last line still says `locked`)",
+        ),
+    ] = False,
 ):
     """The scheduled job: retrain if inputs changed, validate, register, publish.
 
@@ -54,6 +62,10 @@ def run_cmd(
     except (Exception, Interrupted) as e:
         # The last line is the job's JSON outcome whatever happened; the error itself, its message
         # and its exit code are `PipelineGroup`'s (the one mapping), after this.
+        if locked_ok and isinstance(e, LockedError):
+            log.warning("%s (--locked-ok: exit 0)", e)
+            typer.echo(json.dumps({"status": "locked", "reason": str(e).splitlines()[0], "exit_code": 0}))
+            return
         resolved = resolve_error(e)
         if resolved is not None:
             typer.echo(final_line(*resolved))

@@ -9,11 +9,18 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from pipeline.cli._common import adapter_name
+from pipeline.cli._common import adapter_name, project_config
 from pipeline.errors import UsageError
 from pipeline.jobs.schedule import ScheduleSpec, emit
+from pipeline.registry.store import redact_uri
 
 app = typer.Typer(help="Scheduler manifests that call `pipeline run`.", no_args_is_help=True)
+
+
+def _project_yaml() -> Path | None:
+    """This project's pipeline.yaml (`--config`, $PIPELINE_CONFIG, or found up the tree), if any."""
+    cfg = project_config()
+    return cfg.source if cfg.source and cfg.source.is_file() else None
 
 
 class Kind(StrEnum):
@@ -32,15 +39,41 @@ def emit_cmd(
     ] = "0 3 * * *",
     gpus: Annotated[int, typer.Option(min=0, help="GPUs per run (0: CPU)")] = 1,
     image: Annotated[
-        str, typer.Option(help="container image (cronjob)")
-    ] = "registry.example.com/lora-pipeline:latest",
+        str | None, typer.Option(help="container image with lora-pipeline installed (cronjob: required)")
+    ] = None,
     pipeline_bin: Annotated[
-        str, typer.Option(help="path of the `pipeline` executable (systemd/scrontab)")
-    ] = "pipeline",
-    workdir: str = "/srv/lora-pipeline",
+        str | None,
+        typer.Option(
+            help="the `pipeline` executable: absolute for systemd/scrontab (default: this one, "
+            "e.g. /srv/lora-pipeline/.venv/bin/pipeline); cronjob: `pipeline` on the image's PATH"
+        ),
+    ] = None,
+    workdir: Annotated[
+        str, typer.Option(help="the project directory the job runs in (systemd/scrontab: its pipeline.yaml)")
+    ] = "/srv/lora-pipeline",
+    pipeline_yaml: Annotated[
+        Path | None,
+        typer.Option(help="cronjob: the pipeline.yaml to put in the ConfigMap (default: this project's)"),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="directory to write files into (default: stdout)")] = None,
 ):
-    """Print (or write) a Kubernetes CronJob, systemd service+timer, or Slurm scrontab entry."""
+    """Print (or write) a Kubernetes CronJob, systemd service+timer, or Slurm scrontab entry.
+
+    The CronJob comes with its ConfigMap (pipeline.yaml) and a header naming the image, Secret
+    keys and volume claims it needs; systemd and Slurm run the absolute path of `pipeline`."""
+    text = ""
+    if kind is Kind.cronjob:
+        src = pipeline_yaml or _project_yaml()
+        if src is not None:
+            try:
+                text = src.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"--pipeline-yaml {src}: cannot read it ({e})") from None
+            if redact_uri(text) != text:  # a ConfigMap is readable by anyone who can read the namespace
+                raise UsageError(
+                    f"--pipeline-yaml {src}: holds a URI with credentials (user:password@); a ConfigMap is "
+                    "not secret: put them in the Secret (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_PASSWORD)"
+                )
     try:
         spec = ScheduleSpec(
             name=name,
@@ -50,6 +83,7 @@ def emit_cmd(
             image=image,
             pipeline_bin=pipeline_bin,
             workdir=workdir,
+            pipeline_yaml=text,
         )
         files = emit(kind.value, spec)
     except ValidationError as e:  # one line per field, never pydantic's dump

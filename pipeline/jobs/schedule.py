@@ -1,12 +1,24 @@
 """Emit scheduler manifests that call `pipeline run` (we fit schedulers, we don't write one).
 
-- Kubernetes CronJob (batch/v1): `concurrencyPolicy: Forbid`, `startingDeadlineSeconds`, GPU
-  requests, volumes for datasets / the adapter volume / the pipeline state, MLflow
-  credentials from a Secret (never inline), and a podFailurePolicy that does not retry the
-  exit codes that are answers rather than failures (3 locked, 5 gated).
+- Kubernetes: the CronJob (batch/v1: `concurrencyPolicy: Forbid`, `startingDeadlineSeconds`, GPU
+  requests, the datasets / adapter volume / state PersistentVolumeClaims, MLflow credentials from
+  a Secret, never inline) and the ConfigMap holding `pipeline.yaml`, in one file, headed by a
+  comment that lists what must exist first (image, Secret keys, claims). The config is mounted
+  read-only, so the writable places are pinned to the mounts through environment overrides
+  (`PIPELINE_STATE_DIR`, `PIPELINE_VOLUME__PATH`, `PIPELINE_TRAIN__RUNS_DIR`): relative paths
+  would otherwise resolve next to the config, on the read-only mount. `pipeline run --locked-ok`
+  exits 0 when another run holds the lock (a Job fails on any other code; systemd's
+  `SuccessExitStatus=3` says the same); 1, 2 and 5 fail the Job without retries (podFailurePolicy);
+  an eviction (DisruptionTarget) is retried without counting, and SIGTERM leaves
+  `terminationGracePeriodSeconds` for the run to finish a publish (pipeline/interrupt.py).
 - systemd service + timer (`Persistent=true`: a run missed while the machine was off starts
-  at boot); secrets through `EnvironmentFile=`.
-- Slurm scrontab line with `#SCRON` options.
+  at boot); `ExecStart=` names the `pipeline` executable by absolute path (systemd refuses a bare
+  name it cannot find in its own search path); the project is the working directory; secrets
+  through `EnvironmentFile=`; `KillMode=mixed` + `TimeoutStopSec` let SIGTERM end the run cleanly.
+- Slurm scrontab line with `#SCRON` options (absolute path too: cron's PATH is minimal).
+
+Validated in the tests with the Kubernetes OpenAPI schemas (kubernetes-validate, strict) and
+`systemd-analyze verify`.
 
 Schedules are checked before anything is emitted (`parse_cron`): five fields parsed by croniter
 (the maintained cron parser used by Airflow and others), values in range, an expression that
@@ -22,6 +34,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import sys
 from pathlib import Path
 
 import yaml
@@ -99,6 +113,25 @@ def _why(text: str, e: Exception) -> str:
     return str(e)
 
 
+# Where the CronJob's container sees its volumes; the writable ones are pinned to these.
+MOUNTS = {
+    "datasets": "/data/datasets",
+    "adapters": "/data/adapters",
+    "state": "/data/state",
+    "config": "/etc/lora-pipeline",
+}
+GRACE_S = 120  # SIGTERM -> SIGKILL: time for a run to complete a publish it is in (seconds)
+
+
+def default_pipeline_bin() -> str | None:
+    """The absolute path of this installation's `pipeline` executable (next to the interpreter), or None."""
+    here = Path(sys.executable).parent / "pipeline"
+    if here.is_file():
+        return str(here)
+    found = shutil.which("pipeline")
+    return str(Path(found).resolve()) if found else None
+
+
 class ScheduleSpec(BaseModel):
     """What the emitted manifests run, when, and with which resources."""
 
@@ -107,11 +140,20 @@ class ScheduleSpec(BaseModel):
     schedule: str = Field("0 3 * * *", description="cron expression, 5 fields")
     timezone: str = "Etc/UTC"
     gpus: int = Field(1, ge=0)
-    image: str = "registry.example.com/lora-pipeline:latest"
+    image: str | None = Field(None, description="container image with lora-pipeline installed (CronJob)")
     namespace: str = "ml"
-    pipeline_bin: str = "pipeline"
+    pipeline_bin: str | None = Field(
+        None,
+        description="`pipeline` executable: absolute for systemd/Slurm (default: this installation's); "
+        "`pipeline` on the image's PATH for the CronJob",
+    )
     workdir: str = "/srv/lora-pipeline"
-    project_config: str = "/etc/lora-pipeline/pipeline.yaml"
+    project_config: str | None = Field(
+        None,
+        description="pipeline.yaml as the job sees it (default: <workdir>/pipeline.yaml; the CronJob: "
+        "the ConfigMap's /etc/lora-pipeline/pipeline.yaml)",
+    )
+    pipeline_yaml: str = Field("", description="pipeline.yaml content for the CronJob's ConfigMap")
     datasets_claim: str = "lora-datasets"
     adapters_claim: str = "lora-adapters"
     state_claim: str = "lora-pipeline-state"
@@ -149,26 +191,62 @@ class ScheduleSpec(BaseModel):
             )
         return v
 
-    def command(self) -> list[str]:
-        return [self.pipeline_bin, "run", self.config, "--name", self.name]
+    @field_validator("pipeline_bin")
+    @classmethod
+    def _bin(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or any(c.isspace() for c in v)):
+            raise ValueError(f"pipeline_bin {v!r}: give a path without white space")
+        return v
+
+    def config_path(self, kind: str) -> str:
+        if self.project_config:
+            return self.project_config
+        return f"{MOUNTS['config']}/pipeline.yaml" if kind == "cronjob" else f"{self.workdir}/pipeline.yaml"
+
+    def executable(self, kind: str) -> str:
+        """The `pipeline` the job runs: an absolute path for systemd and Slurm (ValueError otherwise)."""
+        if kind == "cronjob":
+            return self.pipeline_bin or "pipeline"
+        exe = self.pipeline_bin or default_pipeline_bin()
+        if not exe or not exe.startswith("/"):
+            raise ValueError(
+                f"--pipeline-bin {exe or '(none found)'}: {kind} needs the absolute path of the `pipeline` "
+                "executable (e.g. /srv/lora-pipeline/.venv/bin/pipeline): it does not search PATH the way a shell does"
+            )
+        return exe
+
+    def command(self, kind: str = "systemd") -> list[str]:
+        cmd = [self.executable(kind), "run", self.config, "--name", self.name]
+        return [*cmd, "--locked-ok"] if kind == "cronjob" else cmd
 
 
 def cronjob(spec: ScheduleSpec) -> dict:
     """A Kubernetes batch/v1 CronJob as a dict."""
+    if not spec.image:
+        raise ValueError(
+            "--image: the CronJob needs the container image that has lora-pipeline installed "
+            "(`pipeline` on its PATH; README, 'Scheduled retraining')"
+        )
     gpu = {"nvidia.com/gpu": str(spec.gpus)} if spec.gpus else {}
     mounts = [
-        {"name": "datasets", "mountPath": "/data/datasets", "readOnly": True},
-        {"name": "adapters", "mountPath": "/data/adapters"},
-        {"name": "state", "mountPath": "/data/state"},
-        {"name": "config", "mountPath": str(Path(spec.project_config).parent), "readOnly": True},
+        {"name": "datasets", "mountPath": MOUNTS["datasets"], "readOnly": True},
+        {"name": "adapters", "mountPath": MOUNTS["adapters"]},
+        {"name": "state", "mountPath": MOUNTS["state"]},
+        {"name": "config", "mountPath": MOUNTS["config"], "readOnly": True},
     ]
+    state = MOUNTS["state"]
     container = {
         "name": "pipeline",
         "image": spec.image,
-        "command": spec.command(),
+        "command": spec.command("cronjob"),
         "workingDir": spec.workdir,
         "env": [
-            {"name": "PIPELINE_CONFIG", "value": spec.project_config},
+            {"name": "PIPELINE_CONFIG", "value": spec.config_path("cronjob")},
+            # the config is mounted read-only: what the job writes goes to the writable mounts
+            {"name": "PIPELINE_STATE_DIR", "value": state},
+            {"name": "PIPELINE_VOLUME__PATH", "value": MOUNTS["adapters"]},
+            {"name": "PIPELINE_TRAIN__RUNS_DIR", "value": f"{state}/runs"},
+            {"name": "HF_HOME", "value": f"{state}/hf-home"},
             {"name": "HF_HUB_OFFLINE", "value": "1"},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ],
@@ -182,6 +260,7 @@ def cronjob(spec: ScheduleSpec) -> dict:
     }
     pod = {
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": GRACE_S,
         "containers": [container],
         "volumes": [
             {
@@ -190,7 +269,7 @@ def cronjob(spec: ScheduleSpec) -> dict:
             },
             {"name": "adapters", "persistentVolumeClaim": {"claimName": spec.adapters_claim}},
             {"name": "state", "persistentVolumeClaim": {"claimName": spec.state_claim}},
-            {"name": "config", "configMap": {"name": f"lora-pipeline-{spec.name}"}},
+            {"name": "config", "configMap": {"name": configmap_name(spec)}},
         ],
     }
     return {
@@ -199,7 +278,7 @@ def cronjob(spec: ScheduleSpec) -> dict:
         "metadata": {
             "name": f"lora-retrain-{spec.name}",
             "namespace": spec.namespace,
-            "labels": {"app.kubernetes.io/name": "lora-pipeline", "lora-pipeline/adapter": spec.name},
+            "labels": _labels(spec),
         },
         "spec": {
             "schedule": spec.schedule,
@@ -212,17 +291,22 @@ def cronjob(spec: ScheduleSpec) -> dict:
                 "spec": {
                     "backoffLimit": 2,
                     "activeDeadlineSeconds": spec.time_limit_h * 3600,
-                    # 3 (locked) and 5 (gated) are answers, not crashes: never retry them.
                     "podFailurePolicy": {
                         "rules": [
+                            # check failed, usage, gated: answers, not crashes; a retry gives the same
                             {
                                 "action": "FailJob",
                                 "onExitCodes": {
                                     "containerName": "pipeline",
                                     "operator": "In",
-                                    "values": [1, 2, 3, 5],
+                                    "values": [1, 2, 5],
                                 },
-                            }
+                            },
+                            # evicted or preempted: start again (it resumes), without using up retries
+                            {
+                                "action": "Ignore",
+                                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                            },
                         ]
                     },
                     "template": {"metadata": {"labels": {"lora-pipeline/adapter": spec.name}}, "spec": pod},
@@ -230,6 +314,47 @@ def cronjob(spec: ScheduleSpec) -> dict:
             },
         },
     }
+
+
+def _labels(spec: ScheduleSpec) -> dict:
+    return {"app.kubernetes.io/name": "lora-pipeline", "lora-pipeline/adapter": spec.name}
+
+
+def configmap_name(spec: ScheduleSpec) -> str:
+    return f"lora-pipeline-{spec.name}"
+
+
+def configmap(spec: ScheduleSpec) -> dict:
+    """The ConfigMap the CronJob mounts at /etc/lora-pipeline: `pipeline.yaml` (the project's, as given)."""
+    text = spec.pipeline_yaml or (
+        "# lora-pipeline project config (pipeline.yaml): served, fleet, registry, run sections.\n"
+        "# state_dir, volume.path and train.runs_dir are set by the CronJob's environment (the mounts).\n"
+        "{}\n"
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": configmap_name(spec), "namespace": spec.namespace, "labels": _labels(spec)},
+        "data": {"pipeline.yaml": text},
+    }
+
+
+def cronjob_requirements(spec: ScheduleSpec) -> str:
+    """The comment heading the emitted file: what must exist in the namespace before `kubectl apply`."""
+    return f"""# lora-pipeline: scheduled retraining of adapter {spec.name} (`kubectl apply -f` this file).
+# Emitted here: ConfigMap {configmap_name(spec)} (pipeline.yaml) and CronJob lora-retrain-{spec.name}.
+# Must exist in namespace {spec.namespace} first:
+#   image {spec.image}: lora-pipeline installed (`pipeline` on PATH), CUDA torch, axolotl
+#   Secret {spec.mlflow_secret}, keys become environment variables, e.g.
+#     kubectl -n {spec.namespace} create secret generic {spec.mlflow_secret} \\
+#       --from-literal=MLFLOW_TRACKING_URI=https://mlflow.internal \\
+#       --from-literal=MLFLOW_TRACKING_USERNAME=... --from-literal=MLFLOW_TRACKING_PASSWORD=...
+#     plus one key per fleet instance's api_key_env (pipeline.yaml fleet.instances)
+#   PersistentVolumeClaim {spec.datasets_claim}: the datasets, mounted read-only at {MOUNTS["datasets"]}
+#     (the axolotl config {spec.config} names its files under it)
+#   PersistentVolumeClaim {spec.adapters_claim}: the fleet's adapter volume (ReadWriteMany), at {MOUNTS["adapters"]}
+#   PersistentVolumeClaim {spec.state_claim}: pipeline state (runs, checkpoints, locks), at {MOUNTS["state"]}
+"""
 
 
 def systemd_units(spec: ScheduleSpec) -> dict[str, str]:
@@ -244,13 +369,17 @@ After=network-online.target
 [Service]
 Type=oneshot
 WorkingDirectory={spec.workdir}
-Environment=PIPELINE_CONFIG={spec.project_config} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+Environment=PIPELINE_CONFIG={spec.config_path("systemd")} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # MLflow credentials and fleet API keys: KEY=value lines, mode 0600, never in this unit.
 EnvironmentFile=-{spec.env_file}
-ExecStart={" ".join(shlex.quote(c) for c in spec.command())}
+ExecStart={" ".join(shlex.quote(c) for c in spec.command("systemd"))}
 # 3 = another run holds the lock: not a failure of this activation.
 SuccessExitStatus=3
 TimeoutStartSec={spec.time_limit_h}h
+# SIGTERM to `pipeline` alone, which stops its trainer and completes a publish in progress;
+# SIGKILL to what is left after TimeoutStopSec.
+KillMode=mixed
+TimeoutStopSec={GRACE_S}s
 Nice=5
 """
     timer = f"""[Unit]
@@ -299,14 +428,27 @@ def scrontab(spec: ScheduleSpec) -> str:
         f"#SCRON --chdir={spec.workdir}\n"
         f"#SCRON --output={spec.workdir}/logs/retrain-{spec.name}-%j.log\n"
         f"{spec.schedule} set -a; . {shlex.quote(spec.env_file)} 2>/dev/null; set +a; "
-        f"PIPELINE_CONFIG={shlex.quote(spec.project_config)} {' '.join(shlex.quote(c) for c in spec.command())}\n"
+        f"PIPELINE_CONFIG={shlex.quote(spec.config_path('scrontab'))} "
+        f"{' '.join(shlex.quote(c) for c in spec.command('scrontab'))}\n"
     )
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML with multi-line strings (the ConfigMap's pipeline.yaml) as `|` blocks."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None),
+)
 
 
 def emit(kind: str, spec: ScheduleSpec) -> dict[str, str]:
     """{file name: content} for `kind` in cronjob | systemd | scrontab. Raises ValueError otherwise."""
     if kind == "cronjob":
-        return {f"lora-retrain-{spec.name}.cronjob.yaml": yaml.safe_dump(cronjob(spec), sort_keys=False)}
+        docs = [configmap(spec), cronjob(spec)]
+        text = cronjob_requirements(spec) + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+        return {f"lora-retrain-{spec.name}.cronjob.yaml": text}
     if kind == "systemd":
         return systemd_units(spec)
     if kind == "scrontab":
