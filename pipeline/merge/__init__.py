@@ -34,6 +34,7 @@ from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions, read_manifest
 from pipeline.merge.plan import INDEX, MergeError, MergeMismatch, MergePlan, plan_merge
 from pipeline.merge.quantize import modelopt_version, quantize_checkpoint
+from pipeline.merge.static import merge_refusals
 from pipeline.merge.write import copy_side_files, progress_bar, seal_output, write_shard
 from pipeline.train.launch import base_fingerprint
 
@@ -91,8 +92,9 @@ def merge_adapter(
 
     Raises:
         MergeError: `out_dir` exists, bad inputs (see `plan_merge`).
-        MergeMismatch: LoRA pairs that match no base weight, or (a bug) a merged count that
-            differs from the number of pairs.
+        MergeMismatch: LoRA pairs that match no base weight; an error finding of validate's static
+            checks (`pipeline.merge.static`: conflicting layout copies, NaN/Inf, untrained...); or
+            (a bug) a merged count that differs from the number of pairs.
         Whatever `finalize` raises. In every failure case `out_dir` is not created and the
         partial directory is removed.
     """
@@ -103,6 +105,12 @@ def merge_adapter(
     if out_dir.exists():
         raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
     plan = plan_merge(adapter_dir, base_dir, dtype)
+    refused, static = merge_refusals(adapter_dir, base_dir)
+    if refused:
+        raise MergeMismatch(
+            f"{adapter_dir}: `pipeline validate` refuses this adapter, so merge does too (nothing written):\n  "
+            + "\n  ".join(str(f) for f in refused)
+        )
     import torch
 
     if device == "auto":
@@ -153,6 +161,7 @@ def merge_adapter(
         )
         manifest = _manifest(plan, merged, files if hash_files else None, time.time() - t0, written)
         manifest["merge"]["device"] = str(device)
+        manifest["merge"]["static_checks"] = static
         manifest.update(extra_manifest or {})
         seconds = time.time() - t0
         torch.set_num_threads(threads_before)  # the gate picks its own

@@ -288,3 +288,50 @@ def test_cuda_without_a_gpu_is_refused_before_writing(tiny_base, adapter, tmp_pa
     with pytest.raises(UsageError, match="no CUDA GPU"):
         merge_adapter(adapter, tiny_base, tmp_path / "out", device="cuda")
     assert list(tmp_path.iterdir()) == []
+
+
+def _edit_tensors(src: Path, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(str(src / "adapter_model.safetensors"))
+    save_file(edit(t), str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _mixed_layout(t):
+    """A second, different copy of layer 0's q_proj in the VL layout (validate: keys.mixed_layout)."""
+    extra = {
+        to_vl(k): v * 2
+        for k, v in t.items()
+        if ".layers.0.self_attn" in k or ".layers.3.self_attn.q_proj" in k
+    }
+    return {**t, **extra}
+
+
+def _nan_b(t):
+    k = next(k for k in t if k.endswith("lora_B.weight"))
+    t[k] = t[k].clone()
+    t[k][0, 0] = float("nan")
+    return t
+
+
+def _zero_b(t):
+    return {k: v * 0 if "lora_B" in k else v for k, v in t.items()}
+
+
+@pytest.mark.parametrize(
+    "edit,finding",
+    [(_mixed_layout, "keys.mixed_layout"), (_nan_b, "values.nonfinite"), (_zero_b, "values.untrained")],
+    ids=["mixed-layout", "nan", "untrained"],
+)
+def test_merge_refuses_what_validate_refuses(tiny_vl_base, adapter, tmp_path, edit, finding):
+    """Issue 25.9 and two siblings: merge exited 0 on each (VL base: the parity gate does not run there)."""
+    from pipeline.validate import validate_adapter
+
+    bad = _edit_tensors(adapter, tmp_path / "bad", edit)
+    assert finding in {f.id for f in validate_adapter(bad, tiny_vl_base).findings if f.severity == "error"}
+    r = runner.invoke(app, ["merge", str(bad), "--base", str(tiny_vl_base), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1, r.output
+    assert finding in r.output and "nothing written" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
