@@ -115,6 +115,11 @@ class FleetSection(_Section):
     max_lora_rank: int = Field(16, description="vLLM --max-lora-rank")
     lora_target_modules: list[str] | None = Field(None, description="vLLM --lora-target-modules, if set")
     allow_embedding_targets: bool = Field(False, description="fleet serves embed_tokens/lm_head LoRA")
+    fully_sharded_loras: bool = Field(False, description="vLLM --fully-sharded-loras")
+    speculative_mtp: bool = Field(
+        True,
+        description="instances draft with the served checkpoint's MTP layer (--speculative-config method mtp)",
+    )
     loading_mode: Literal["api", "resolver"] = "api"
     volume_mount: str = Field("/loras", description="where instances see the adapter volume")
     keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")

@@ -146,3 +146,154 @@ def test_layers_point_one_way():
         if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)
     ]
     assert upward == []
+
+
+# -- validation rules read a declared interface (issue 26.1) -----------------------------------------------------
+RULE_MODULES = (
+    "weights",
+    "config_checks",
+    "fleet_checks",
+    "keys",
+    "values",
+    "served",
+    "template_checks",
+    "behaviour",
+    "train_checks",
+)
+PROTOCOLS = {"Facts", "AdapterFacts", "TrainFacts"}
+
+
+def _rule_module_violations(src: str) -> list[str]:
+    """Reads of a context's private attributes, `getattr`-style probing and `__dict__` caches in `src`."""
+    out = []
+    for n in ast.walk(ast.parse(src)):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "ctx":
+            if n.attr.startswith("_"):
+                out.append(f"{n.lineno}: ctx.{n.attr}")
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id in ("getattr", "hasattr", "setattr")
+        ):
+            if n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "ctx":
+                out.append(f"{n.lineno}: {n.func.id}(ctx, ...)")
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "ctx":
+                    out.append(f"{n.lineno}: assigns ctx.{t.attr}")
+    return out
+
+
+def test_no_rule_module_reads_a_private_attribute_of_a_context():
+    found = {
+        m: v
+        for m in RULE_MODULES
+        if (v := _rule_module_violations((PKG / "validate" / f"{m}.py").read_text()))
+    }
+    assert found == {}
+
+
+def test_the_rule_checker_finds_privates():
+    src = "def r(ctx):\n    a = ctx._config\n    b = getattr(ctx, 'x', 1)\n    ctx.flag = True\n    ctx.__dict__['k'] = 1\n"
+    assert len(_rule_module_violations(src)) == 4
+
+
+def test_every_rule_names_the_facts_it_reads():
+    """`def rule(ctx: Facts)`: both scopes read `Facts`; adapter-only rules may read `AdapterFacts`, training-config
+    rules `TrainFacts`."""
+    from pipeline.validate import RULES
+
+    wrong = []
+    for spec in RULES.values():
+        first = next(iter(spec.fn.__annotations__.items()), (None, None))
+        ann = first[1] if first[0] != "return" else None
+        allowed = {"Facts"} | ({"AdapterFacts"} if spec.scopes == ("adapter",) else set())
+        allowed |= {"TrainFacts"} if spec.scopes == ("train",) else set()
+        if ann not in allowed:
+            wrong.append(f"{spec.id}: {ann!r} (scopes {spec.scopes})")
+    assert wrong == []
+
+
+def test_no_getter_writes_into_the_report():
+    """Properties of the contexts only establish facts; rules record stats (`ctx.stats`)."""
+    bad = []
+    for f in ("context.py", "template.py", "facts.py", "train_checks.py"):
+        tree = ast.parse((PKG / "validate" / f).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            decorators = {getattr(d, "id", getattr(d, "attr", "")) for d in fn.decorator_list}
+            if not decorators & {"property", "cached_property"}:
+                continue
+            for n in ast.walk(fn):
+                target = n.value if isinstance(n, ast.Subscript) else n
+                if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store):
+                    text = ast.unparse(target)
+                    if "report" in text or "stats" in text:
+                        bad.append(f"{f}:{n.lineno} {fn.name}")
+                if (
+                    isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute)
+                    and n.func.attr in ("update", "add")
+                ):
+                    if "report" in ast.unparse(n.func.value) or "stats" in ast.unparse(n.func.value):
+                        bad.append(f"{f}:{n.lineno} {fn.name}")
+    assert bad == []
+
+
+# -- one vLLM version table (issue 26.4, 25.1) ---------------------------------------------------------------------
+def test_one_vllm_version_table():
+    """Version ranges and the release parser live in `pipeline/serving/versions.py` only."""
+    elsewhere = []
+    for m, path in _modules().items():
+        if m == "pipeline.serving.versions":
+            continue
+        tree = ast.parse(path.read_text())
+        for n in ast.walk(tree):
+            if isinstance(n, ast.FunctionDef) and n.name == "release":
+                elsewhere.append(f"{m}: def release")
+            if (
+                isinstance(n, ast.AnnAssign)
+                and isinstance(n.target, ast.Name)
+                and n.target.id in ("low", "high")
+            ):
+                elsewhere.append(f"{m}:{n.lineno}: a version range field")
+            if isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                names = {t.id for t in targets if isinstance(t, ast.Name)}
+                if names & {"RANGES", "SWAP_FACTS"}:
+                    elsewhere.append(f"{m}:{n.lineno}: {names}")
+    assert elsewhere == []
+
+
+def test_every_field_of_the_version_table_has_a_reader():
+    """A fact in the table that no pipeline module reads is a rule declared but not applied (issue 25.1)."""
+    import dataclasses
+
+    from pipeline.serving.versions import VllmRange
+
+    meta = {"name", "low", "high", "source"}
+    reads: set[str] = set()
+    for m, path in _modules().items():
+        if m == "pipeline.serving.versions":
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+                reads.add(n.attr)
+    unread = sorted(
+        f.name for f in dataclasses.fields(VllmRange) if f.name not in meta and f.name not in reads
+    )
+    assert unread == []
+
+
+def test_fleet_rules_are_built_by_name_from_the_config():
+    """One fleet profile: every FleetRules field names its pipeline.yaml section and field (nothing by position)."""
+    import dataclasses
+
+    from pipeline.config import ProjectConfig
+    from pipeline.validate.report import PROFILE_SOURCES, FleetRules
+
+    assert set(PROFILE_SOURCES) == {f.name for f in dataclasses.fields(FleetRules)}
+    cfg = ProjectConfig()
+    for field_name, (section, name) in PROFILE_SOURCES.items():
+        assert name in type(getattr(cfg, section)).model_fields, (field_name, section, name)

@@ -20,6 +20,7 @@ from pipeline.canary.result import CanaryError, CanaryResult, EngineOutput, Spee
 from pipeline.config import Instance, ProjectConfig, http_base_url
 from pipeline.errors import UsageError
 from pipeline.fleet.client import InstanceClient, InstanceError
+from pipeline.serving.versions import find_range
 from pipeline.serving.vllm import fleet_applies
 from pipeline.validate import default_base
 from pipeline.validate.behaviour import validation_files_from_manifest
@@ -225,7 +226,10 @@ def run_canary(
         notes.append("the staging engine runs without speculative decoding: acceptance not measured")
 
     modules = {k.module.rsplit(".", 1)[-1] for t in adapter_tensors(adapter_dir) if (k := parse_key(t))}
-    outside = sorted(m for m in modules if not fleet_applies(m, cfg.fleet.lora_target_modules))
+    rng = find_range(cfg.fleet.vllm_version)  # None: an unknown version is refused by validate and publish
+    outside = sorted(
+        m for m in modules if rng is not None and not fleet_applies(m, cfg.fleet.lora_target_modules, rng)
+    )
     res = CanaryResult(
         adapter=str(adapter_dir),
         staging=inst.url,

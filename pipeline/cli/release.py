@@ -21,13 +21,16 @@ def publish(
     name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
     version: Annotated[int | None, typer.Option(min=1, help="model version")] = None,
     alias: Annotated[str | None, typer.Option(help="model alias, e.g. candidate")] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="ship a version `pipeline run` gated (recorded on the version)")
+    ] = False,
     as_json: JsonOption = False,
 ):
     """Publish a validated version to the adapter volume and the fleet.
 
     Publish a validated version to <volume>/<NAME>-v<N>/ atomically; alias `production` follows."""
     res = do_publish(
-        project_config(store="existing", what=f"registered model {name!r}"), name, version, alias
+        project_config(store="existing", what=f"registered model {name!r}"), name, version, alias, force=force
     )
     if as_json:
         return emit_json(dataclasses.asdict(res))
@@ -48,13 +51,20 @@ def publish(
 def promote(
     name: Annotated[str, typer.Argument(help="registered model name", callback=adapter_name)],
     version: Annotated[int, typer.Argument(min=1, help="model version to ship")],
+    force: Annotated[
+        bool, typer.Option("--force", help="ship a version `pipeline run` gated (recorded on the version)")
+    ] = False,
     as_json: JsonOption = False,
 ):
     """Move alias `production` to VERSION and publish it.
 
-    Move alias `production` to VERSION and publish it (volume, then the fleet if configured)."""
+    Move alias `production` to VERSION and publish it (volume, then the fleet if configured). A version
+    `pipeline run` gated is refused unless --force (the override is recorded on the version)."""
     res = do_publish(
-        project_config(store="existing", what=f"registered model {name!r}"), name, version=version
+        project_config(store="existing", what=f"registered model {name!r}"),
+        name,
+        version=version,
+        force=force,
     )
     if as_json:
         return emit_json(dataclasses.asdict(res))

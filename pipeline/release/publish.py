@@ -83,6 +83,27 @@ class Published:
     instances: list[str] = field(default_factory=list)  # fleet instances that confirmed
     warnings: list[str] = field(default_factory=list)  # e.g. the canary measured another served checkpoint
     reports: list[InstanceReport] = field(default_factory=list, repr=False)
+    gate_overridden: bool = False  # a version `pipeline run` gated, shipped with --force (recorded)
+
+
+def gate_override(mv, force: bool, follow: bool) -> str | None:
+    """The warning for shipping a version `pipeline run` gated, or None when it was not gated.
+
+    Raises CheckFailed: it was gated and neither `force` (promote/publish --force) nor `follow` (someone moved
+    `production` to it in the registry) says to ship it anyway."""
+    tags = mv.tags or {}
+    if tags.get(registry.GATE_VERDICT_TAG) != "gated":
+        return None
+    reason = tags.get(registry.GATE_REASON_TAG) or "no reason recorded"
+    what = f"{mv.name} v{mv.version} is a candidate `pipeline run` gated ({reason})"
+    if force:
+        return f"{what}: shipped with --force (recorded on the version as a gate_override event)"
+    if follow:
+        return f"{what}: shipped because `production` was moved to it in the registry"
+    raise CheckFailed(
+        f"{what}; nothing was published. Ship it anyway with --force (the override is recorded on the version), "
+        "or retrain"
+    )
 
 
 def check_publishable(mv, weights_sha256: str) -> None:
@@ -214,16 +235,20 @@ def publish(
     alias: str | None = None,
     *,
     follow: bool = False,
+    force: bool = False,
 ) -> Published:
     """Publish `name` at `version` or `alias` to the volume and the fleet; `production` follows.
 
     `follow`: called by the alias follower for a version someone made `production`; if the alias
     moves again during the publish it is left where it was moved.
+    `force`: ship a version `pipeline run` gated (`gate.verdict` = gated); the override is recorded on the
+    version (a `gate_override` event with the gate's reason). Without it a gated version is refused.
 
     Raises:
         UsageError: bad name, unknown model, version or alias (nothing written).
         CheckFailed: the version did not pass validation for its weights, or its recorded canary
-            failed / is missing while `canary.required` (`pipeline.canary.gate`).
+            failed / is missing while `canary.required` (`pipeline.canary.gate`), or `pipeline run`
+            gated it and `force` is not set.
         PublishError: the artifact or an existing version directory fails its manifest or origin.
         VolumeError: the volume is read-only, full or not writable (nothing partial is left).
         StoreError: the registry cannot be used.
@@ -236,6 +261,9 @@ def publish(
     mv = registry.resolve_version(cfg, name, version, alias)
     target = int(mv.version)
     warnings = canary_gate(cfg, mv)  # before anything is written
+    override = gate_override(mv, force, follow)
+    if override:
+        warnings.append(override)
     if cfg.fleet.instances:
         preflight(cfg)  # every instance runs the configured vLLM and model: else exit 4, nothing written
     volume = Path(cfg.volume.path)
@@ -284,4 +312,9 @@ def publish(
         except Exception as e:
             raise incomplete(cfg, e, intent) from e
     warnings += [f"{r.instance}: {w}" for r in reports for w in r.warnings]
-    return Published(name, target, path, created, intent.from_version, intent.instances, warnings, reports)
+    if override and force:
+        reason = (mv.tags or {}).get(registry.GATE_REASON_TAG) or ""
+        registry.record_event(cfg, name, target, {"type": "gate_override", "reason": reason, "forced": True})
+    return Published(
+        name, target, path, created, intent.from_version, intent.instances, warnings, reports, bool(override)
+    )

@@ -4,12 +4,13 @@ vLLM renames each adapter module (the key without `base_model.model.` and `.lora
 served class's `hf_to_vllm_mapper` (vllm/lora/utils.py `parse_fine_tuned_lora_name` ->
 `WeightsMapper._map_name`: every matching `orig_to_new_prefix` entry in order, None drops the key),
 then looks the name up among the model's LoRA-wrapped modules. A name that matches no module loads
-with HTTP 200 and is never applied (only a debug log). Mappers (vllm/model_executor/models/qwen3_5.py,
-qwen3_vl.py; the same in every range of `pipeline.serving.versions`, docs/vllm.md):
+with HTTP 200 and is never applied (only a debug log). The mappers are fields of the version table
+(`VllmRange.mappers`, vllm/model_executor/models/qwen3_5.py, qwen3_vl.py; docs/vllm.md):
 - `Qwen3_5ForConditionalGeneration` (the real Qwen3.6 checkpoint): `model.visual.` -> `visual.`,
-  `lm_head.` -> `language_model.lm_head.`, `model.language_model.` -> `language_model.model.`,
-  `mtp.` dropped; no rule for `model.layers.` (upstream vllm#48019, PR #48022);
-- `Qwen3_5ForCausalLM` (registered from 0.32): `model.language_model.` -> `model.`, `mtp.` dropped.
+  `lm_head.` -> `language_model.lm_head.`, `model.language_model.` -> `language_model.model.`
+  (0.32+: `mtp.` dropped); no rule for `model.layers.` (upstream vllm#48019, PR #48022);
+- `Qwen3_5ForCausalLM` (registered from 0.27): no mapper on 0.27 (only `model.layers.N` reaches the
+  decoder), `model.language_model.` -> `model.` and `mtp.` dropped from 0.32.
 """
 
 from __future__ import annotations
@@ -18,15 +19,6 @@ from dataclasses import dataclass
 
 from pipeline.serving.versions import CAUSAL_CLASS, VL_CLASS, VllmRange
 
-MAPPERS: dict[str, tuple[tuple[str, str | None], ...]] = {
-    VL_CLASS: (
-        ("model.visual.", "visual."),
-        ("lm_head.", "language_model.lm_head."),
-        ("model.language_model.", "language_model.model."),
-        ("mtp.", None),
-    ),
-    CAUSAL_CLASS: (("model.language_model.", "model."), ("mtp.", None)),
-}
 # Decoder layers inside vLLM's model, and the adapter prefix that reaches them (the served layout).
 DECODER_PREFIX = {VL_CLASS: "language_model.model.layers.", CAUSAL_CLASS: "model.layers."}
 SERVED_KEY_PREFIX = {VL_CLASS: "model.language_model.layers.", CAUSAL_CLASS: "model.layers."}
@@ -49,10 +41,10 @@ class RuntimeTarget:
     reason: str = ""
 
 
-def map_module(peft_module: str, architecture: str) -> str | None:
-    """vLLM's name for an adapter module under `architecture`'s mapper (None: dropped by the mapper)."""
+def map_module(peft_module: str, architecture: str, rng: VllmRange) -> str | None:
+    """vLLM's name for an adapter module under `architecture`'s mapper on `rng` (None: dropped by the mapper)."""
     name = peft_module + "."
-    for prefix, new in MAPPERS.get(architecture, ()):
+    for prefix, new in dict(rng.mappers).get(architecture, ()):
         if name.startswith(prefix):
             if new is None:
                 return None
@@ -62,7 +54,7 @@ def map_module(peft_module: str, architecture: str) -> str | None:
 
 def runtime_target(peft_module: str, architecture: str, rng: VllmRange) -> RuntimeTarget:
     """Where `peft_module` (e.g. `model.layers.3.mlp.up_proj`) lands when `architecture` is served on `rng`."""
-    mapped = map_module(peft_module, architecture)
+    mapped = map_module(peft_module, architecture, rng)
     if mapped is None:
         return RuntimeTarget("dropped", None, f"{architecture}'s weight mapper drops it")
     if mapped.startswith(DECODER_PREFIX[architecture]):
@@ -71,8 +63,8 @@ def runtime_target(peft_module: str, architecture: str, rng: VllmRange) -> Runti
         if rng.embedding_lora:
             return RuntimeTarget("applied", mapped)
         return RuntimeTarget("ignored", mapped, f"vLLM {rng.name} has no embedding LoRA for Qwen3.5")
-    if mapped.startswith("visual."):
-        return RuntimeTarget("ignored", mapped, "vision-tower LoRA is accepted and never applied")
+    if mapped.startswith("visual.") or mapped.startswith("mtp."):
+        return RuntimeTarget("ignored", mapped, "vision-tower and MTP LoRA are accepted and never applied")
     return RuntimeTarget(
         "ignored",
         mapped,

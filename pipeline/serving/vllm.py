@@ -7,18 +7,24 @@ the serving engine accepts. Sources are paths in the vLLM package (https://githu
 
 from __future__ import annotations
 
+from pipeline.serving.versions import VllmRange
+
 # `--max-lora-rank` values vLLM accepts (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-# adapter_config.json keys whose features vLLM refuses (vllm/lora/peft_helper.py, PEFTHelper._validate_features).
-REFUSED_CONFIG_KEYS = {
-    "use_dora": "DoRA",
-    "lora_bias": "LoRA bias terms",
-    "layer_replication": "layer_replication",
-    "modules_to_save": "modules_to_save",
-    "use_bdlora": "block-diagonal LoRA",
-    "use_qalora": "QALoRA",
-}
+# adapter_config.json fields whose features vLLM refuses (vllm/lora/peft_helper.py PEFTHelper._validate_features,
+# every version read; 0.19-0.27 drop lora_bias, layer_replication and the inits silently, 0.32+ refuse them: the
+# fleet must not depend on what a version ignores): (check id suffix, field, feature). `config_checks` generates
+# one rule per entry.
+REFUSED_CONFIG_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("dora", "use_dora", "DoRA"),
+    ("modules_to_save", "modules_to_save", "modules_to_save (full copies of modules)"),
+    ("lora_bias", "lora_bias", "LoRA bias terms"),
+    ("layer_replication", "layer_replication", "layer_replication"),
+    ("alora", "alora_invocation_tokens", "aLoRA (activated LoRA)"),
+    ("qalora", "use_qalora", "QALoRA"),
+    ("bdlora", "use_bdlora", "block-diagonal LoRA (BD-LoRA)"),
+)
 
 # Linear modules vLLM can apply LoRA to in Qwen3.5 / Qwen3.6 (vllm/model_executor/models/qwen3_5.py
 # packed_modules_mapping + supported_lora_modules), by decoder layer type.
@@ -32,13 +38,6 @@ QWEN35_MODULES = {
         "linear_attn.out_proj",
     },
     "any": {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"},
-}
-# Packed runtime modules of Qwen3.5 in vLLM (qwen3_5.py packed_modules_mapping).
-PACKED_MODULES = {
-    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-    "gate_up_proj": ["gate_proj", "up_proj"],
-    "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
-    "in_proj_ba": ["in_proj_b", "in_proj_a"],
 }
 # Embedding-type modules (vLLM `embedding_modules`; other architectures name them wte/embedding):
 # a hot-loading fleet does not serve LoRA on them unless it opts in (fleet.allow_embedding_targets).
@@ -61,16 +60,31 @@ KNOWN_QUANT = {
 }
 
 
-def fleet_applies(short: str, targets: list[str] | None) -> bool:
-    """Whether vLLM's `--lora-target-modules` lets an adapter module (`q_proj`, ...) through.
+def runtime_module(short: str, rng: VllmRange) -> str:
+    """The name of the vLLM module that adapter module `short` (`q_proj`, ...) is applied through on `rng`:
+    its packed parent (`qkv_proj`) or itself (`o_proj`; `in_proj_z` on 0.19, where LoRA splits the fused
+    in_proj_qkvz). Source: the served class's packed_modules_mapping (`VllmRange.packed`)."""
+    return next((parent for parent, kids in rng.packed if short in kids and parent != short), short)
 
-    vllm/lora/utils.py `is_in_target_modules`: a runtime module passes if its suffix is listed,
-    or for a packed module (`qkv_proj`) if any of its children is; adapter module `k_proj` is
-    then applied through the packed `qkv_proj` even when only `q_proj` is listed.
+
+def fleet_applies(short: str, targets: list[str] | None, rng: VllmRange) -> bool:
+    """Whether vLLM's `--lora-target-modules` lets an adapter module (`q_proj`, ...) through on `rng`.
+
+    vllm/lora/utils.py `is_in_target_modules` is asked about vLLM's runtime module (`runtime_module`):
+    it passes when its own name is listed; from 0.20 (`target_modules_packed_aware`) also when one of a
+    packed module's children is listed (listing `q_proj` opens `qkv_proj`, so `k_proj` is applied too) or
+    when the module is a child of a listed packed parent. On 0.19 only runtime names count: PEFT names
+    `q_proj`, `gate_proj`, `in_proj_b` open nothing.
     """
     if targets is None:
         return True
     t = set(targets)
-    if short in t:
+    runtime = runtime_module(short, rng)
+    if runtime in t:
         return True
-    return any(short in kids and (parent in t or t & set(kids)) for parent, kids in PACKED_MODULES.items())
+    if not rng.target_modules_packed_aware:
+        return False
+    packed = dict(rng.packed)
+    if t & set(packed.get(runtime, ())):
+        return True
+    return any(runtime in kids and parent in t for parent, kids in rng.packed)

@@ -97,6 +97,7 @@ def _bind(ctx: Context) -> dict:
         "weights_sha256": ctx.report.weights_sha256,
         "served": served,
         "vllm_version": ctx.rules.vllm_version,
+        "fleet": ctx.rules.profile(),
         "rules_version": rules_version(),
         "allowed": sorted(ctx.options.allow),
     }

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline.artifacts.manifest import read_manifest
 from pipeline.artifacts.peft_model import load_peft
+from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, check
 
 MAX_NEW_TOKENS = 8
@@ -206,21 +207,12 @@ def evaluate(adapter_dir: Path, base_dir: Path, validation_files: list[Path] | N
     return stats
 
 
-def _result(ctx):
-    """The behaviour measurements of this validation (cached on ctx); Unavailable when not measured."""
-    if "behaviour" not in ctx.__dict__:
-        if ctx.base_dir is None:
-            ctx.__dict__["behaviour"] = (None, "--behaviour needs the bf16 base: pass --base DIR", "skip")
-        elif not ctx.report.passed:
-            ctx.__dict__["behaviour"] = (None, None, "static")
-        else:
-            try:
-                stats = evaluate(ctx.adapter_dir, ctx.base_dir, ctx.options.validation_files)
-                ctx.report.stats["behaviour"] = stats
-                ctx.__dict__["behaviour"] = (stats, None, None)
-            except BehaviourUnavailable as e:
-                ctx.__dict__["behaviour"] = (None, str(e), "load")
-    return ctx.__dict__["behaviour"]
+def _result(ctx: AdapterFacts):
+    """(measurements, why not, reason) of `ctx.behaviour`; the measurements are recorded in the stats."""
+    fact = ctx.behaviour
+    if fact.value is not None:
+        ctx.stats["behaviour"] = fact.value
+    return fact.value, fact.missing, fact.reason
 
 
 @check(
@@ -229,14 +221,14 @@ def _result(ctx):
     "`--behaviour`: base + adapter cannot be loaded with transformers/peft",
     option="behaviour",
 )
-def unavailable(ctx):
+def unavailable(ctx: AdapterFacts):
     _, err, _ = _result(ctx)
     if err:
         yield Issue(err, str(ctx.base_dir or ""))
 
 
 @check("behaviour.skipped", "info", "`--behaviour` not run because static checks failed", option="behaviour")
-def skipped(ctx):
+def skipped(ctx: AdapterFacts):
     if _result(ctx)[2] == "static":
         yield Issue("behaviour checks skipped: static checks failed", str(ctx.adapter_dir))
 
@@ -247,7 +239,7 @@ def skipped(ctx):
     "adapter's assistant-token NLL on the validation set > the base's (or non-finite)",
     option="behaviour",
 )
-def eval_loss_worse(ctx):
+def eval_loss_worse(ctx: AdapterFacts):
     stats = _result(ctx)[0]
     if not stats or "eval_loss_adapter" not in stats:
         return
@@ -267,7 +259,7 @@ def eval_loss_worse(ctx):
 
 
 @check("behaviour.no_data", "warning", "`--behaviour` without validation conversations", option="behaviour")
-def no_data(ctx):
+def no_data(ctx: AdapterFacts):
     stats = _result(ctx)[0]
     if stats is not None and not stats["conversations"]:
         yield Issue(
@@ -282,7 +274,7 @@ def no_data(ctx):
     "greedy outputs on all canary prompts equal the base's (the adapter has no effect)",
     option="behaviour",
 )
-def canary(ctx):
+def canary(ctx: AdapterFacts):
     stats = _result(ctx)[0]
     if stats is not None and stats["canaries_identical"] == f"{len(CANARIES)}/{len(CANARIES)}":
         yield Issue(

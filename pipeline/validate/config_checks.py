@@ -10,36 +10,25 @@ from __future__ import annotations
 
 import math
 
-from pipeline.artifacts.adapter import config_problems, pattern_value
-from pipeline.artifacts.normalise import ParityError, fold_rslora
+from pipeline.artifacts.adapter import pattern_value
 from pipeline.artifacts.peft_match import matching_entries
-from pipeline.errors import PipelineError
-from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, PLAIN_INITS
+from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, PLAIN_INITS, REFUSED_CONFIG_KEYS
+from pipeline.validate.facts import AdapterFacts, Facts, TrainFacts
+from pipeline.validate.lora_view import AXOLOTL_NAMES
 from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")
 
 
-# -- --fold-rslora (runs first: it rewrites adapter_config.json before anything reads it) --------------------------
-def _fold(ctx):
-    if "fold" not in ctx.__dict__:
-        try:
-            ctx.__dict__["fold"] = (fold_rslora(ctx.adapter_dir), None)
-        except ParityError as e:
-            ctx.__dict__["fold"] = (None, str(e))
-        except (FileNotFoundError, ValueError, OSError, PipelineError):
-            ctx.__dict__["fold"] = (None, None)  # reported by the config / weights checks that follow
-    return ctx.__dict__["fold"]
-
-
+# -- --fold-rslora (runs first: it rewrites adapter_config.json before anything reads it: `ctx.fold`) -----------
 @check(
     "config.rslora_folded",
     "warning",
     "`--fold-rslora` folded rsLoRA into lora_alpha (scale unchanged on every module)",
     option="fold_rslora",
 )
-def rslora_folded(ctx):
-    res, _ = _fold(ctx)
+def rslora_folded(ctx: AdapterFacts):
+    res = ctx.fold.value
     if res is not None and res.folded:
         yield Issue(
             f"rsLoRA folded into lora_alpha in place (effective scale alpha/sqrt(r) -> alpha'/r, unchanged on all "
@@ -55,8 +44,8 @@ def rslora_folded(ctx):
     "`--fold-rslora` would change some module's scale (nothing written)",
     option="fold_rslora",
 )
-def rslora_parity(ctx):
-    _, err = _fold(ctx)
+def rslora_parity(ctx: AdapterFacts):
+    err = ctx.fold.missing
     if err:
         yield Issue(
             f"{err}: fold by hand with exact alpha_pattern entries or retrain without rsLoRA",
@@ -64,33 +53,23 @@ def rslora_parity(ctx):
         )
 
 
-def _cfg_state(ctx):
-    if getattr(ctx, "_config", None) is None:
-        raise Unavailable
-    return ctx._config
-
-
 # -- reading the file -------------------------------------------------------------------------------------------
 @check("config.missing", "error", "no `adapter_config.json` (or it is not a regular file)")
-def missing(ctx):
-    cfg, kind, msg = _cfg_state(ctx)
-    if kind == "missing":
-        yield Issue(msg, ctx.where_config)
+def missing(ctx: AdapterFacts):
+    fact = ctx.config_fact
+    if fact.reason == "missing":
+        yield Issue(fact.missing, ctx.where_config)
 
 
 @check("config.invalid", "error", "`adapter_config.json` is not JSON or not an object (file:line)")
-def invalid(ctx):
-    cfg, kind, msg = _cfg_state(ctx)
-    if kind == "invalid":
-        yield Issue(f"{msg}: fix the JSON or re-save with peft", ctx.where_config)
+def invalid(ctx: AdapterFacts):
+    fact = ctx.config_fact
+    if fact.reason == "invalid":
+        yield Issue(f"{fact.missing}: fix the JSON or re-save with peft", ctx.where_config)
 
 
-def _problems(ctx, kind: str):
-    if ctx.lora_source_kind == "adapter":
-        problems = ctx.cfg.problems
-    else:
-        problems = config_problems(ctx.lora_unchecked.as_peft())
-    return [p for p in problems if p.kind == kind]
+def _problems(ctx: Facts, kind: str):
+    return [p for p in ctx.lora_problems if p.kind == kind]
 
 
 @check(
@@ -98,7 +77,7 @@ def _problems(ctx, kind: str):
     "error",
     'a field has another type than PEFT\'s `LoraConfig` declares (e.g. `"r": "eight"`)',
 )
-def wrong_type(ctx):
+def wrong_type(ctx: AdapterFacts):
     if ctx.lora_source_kind != "adapter":
         return  # axolotl's own schema types the training config
     for p in _problems(ctx, "type"):
@@ -108,7 +87,7 @@ def wrong_type(ctx):
 
 
 @check("config.nonfinite", "error", "`r`, `lora_alpha` or a pattern value is NaN or Infinity")
-def nonfinite(ctx):
+def nonfinite(ctx: AdapterFacts):
     if ctx.lora_source_kind != "adapter":
         return
     for p in _problems(ctx, "nonfinite"):
@@ -126,7 +105,7 @@ def nonfinite(ctx):
     "or `layers_pattern` is not a valid regex",
     scopes=BOTH,
 )
-def bad_regex(ctx):
+def bad_regex(ctx: Facts):
     for p in _problems(ctx, "regex"):
         yield Issue(f"{p.message}: peft and vLLM match it as a regex; escape it", ctx.where_config)
 
@@ -137,7 +116,7 @@ def bad_regex(ctx):
     "`lora_alpha` or an `alpha_pattern` value is negative (the update's sign flips; PEFT and vLLM apply it silently)",
     scopes=BOTH,
 )
-def alpha_negative(ctx):
+def alpha_negative(ctx: Facts):
     lv = ctx.lora
     patterns = lv.get("alpha_pattern")
     alphas = {lv.name("lora_alpha"): lv.get("lora_alpha")} | {
@@ -160,7 +139,7 @@ def alpha_negative(ctx):
     "not a LoRA adapter (`peft_type` != LORA; axolotl `adapter` not lora)",
     scopes=BOTH,
 )
-def peft_type(ctx):
+def peft_type(ctx: Facts):
     lv = ctx.lora
     if lv.get("peft_type") != "LORA":
         if lv.kind == "train":
@@ -177,7 +156,7 @@ def peft_type(ctx):
 
 
 @check("config.required", "error", "`r`, `lora_alpha` or `target_modules` missing", scopes=BOTH)
-def required(ctx):
+def required(ctx: Facts):
     lv = ctx.lora
     for key in ("r", "lora_alpha", "target_modules"):
         if lv.get(key) in (None, [], ""):
@@ -201,7 +180,7 @@ def required(ctx):
     "or above the fleet's `max_lora_rank`",
     scopes=BOTH,
 )
-def rank(ctx):
+def rank(ctx: Facts):
     lv, rules = ctx.lora, ctx.rules
     ranks = {lv.name("r"): lv.get("r")} | {
         f"{lv.name('rank_pattern')}[{k}]": v for k, v in (lv.get("rank_pattern") or {}).items()
@@ -227,11 +206,13 @@ def rank(ctx):
             )
 
 
-def _refused(key: str, field_name: str, feature: str, doc: str):
-    """One rule per feature vLLM's PEFTHelper._validate_features refuses."""
+def _refused(key: str, field_name: str, feature: str):
+    """One rule per feature vLLM's PEFTHelper._validate_features refuses (`REFUSED_CONFIG_KEYS`)."""
+    axolotl = AXOLOTL_NAMES.get(field_name)
+    doc = f"{feature}: `{field_name}`" + (f" (axolotl `{axolotl}`)" if axolotl else "")
 
     @check(f"config.{key}", "error", doc, scopes=BOTH)
-    def rule(ctx):
+    def rule(ctx: Facts):
         lv = ctx.lora
         value = lv.get(field_name)
         if value:
@@ -245,27 +226,12 @@ def _refused(key: str, field_name: str, feature: str, doc: str):
     return rule
 
 
-_refused("dora", "use_dora", "DoRA", "DoRA: `use_dora` (axolotl `peft_use_dora`)")
-_refused(
-    "modules_to_save",
-    "modules_to_save",
-    "modules_to_save (full copies of modules)",
-    "`modules_to_save` (axolotl `lora_modules_to_save`): full copies of modules",
-)
-_refused("lora_bias", "lora_bias", "LoRA bias terms", "`lora_bias: true` (LoRA bias terms)")
-_refused(
-    "layer_replication",
-    "layer_replication",
-    "layer_replication",
-    "`layer_replication` (axolotl `peft_layer_replication`)",
-)
-_refused("alora", "alora_invocation_tokens", "aLoRA (activated LoRA)", "aLoRA: `alora_invocation_tokens`")
-_refused("qalora", "use_qalora", "QALoRA", "QALoRA: `use_qalora`")
-_refused("bdlora", "use_bdlora", "block-diagonal LoRA (BD-LoRA)", "BD-LoRA: `use_bdlora`")
+for _key, _field, _feature in REFUSED_CONFIG_KEYS:
+    _refused(_key, _field, _feature)
 
 
 @check("config.bias", "error", "`bias` is not 'none' (vLLM needs bias 'none')", scopes=BOTH)
-def bias(ctx):
+def bias(ctx: Facts):
     lv = ctx.lora
     if lv.get("bias", "none") != "none":
         yield Issue(f"bias = {lv.get('bias')!r}; vLLM needs bias 'none': retrain with bias='none'", lv.source)
@@ -278,7 +244,7 @@ def bias(ctx):
     "axolotl `peft_init_lora_weights`)",
     scopes=BOTH,
 )
-def init(ctx):
+def init(ctx: Facts):
     lv = ctx.lora
     v = lv.get("init_lora_weights", True)
     if isinstance(v, str) and v.lower() not in PLAIN_INITS:
@@ -297,7 +263,7 @@ def init(ctx):
 @check(
     "config.rslora", "error", "`use_rslora` (axolotl `peft_use_rslora`); fix: `--fold-rslora`", scopes=BOTH
 )
-def rslora(ctx):
+def rslora(ctx: Facts):
     lv = ctx.lora
     if lv.get("use_rslora"):
         if lv.kind == "train":
@@ -320,7 +286,7 @@ def rslora(ctx):
     "dense Qwen3.5 fleet applies LoRA to modules only)",
     scopes=BOTH,
 )
-def target_parameters(ctx):
+def target_parameters(ctx: Facts):
     lv = ctx.lora
     if lv.get("target_parameters"):
         yield Issue(
@@ -353,7 +319,7 @@ def _peft_names(base) -> list[str]:
     "or `layers_to_transform` names a layer the base does not have",
     scopes=BOTH,
 )
-def target_absent(ctx):
+def target_absent(ctx: Facts):
     lv, base = ctx.lora, ctx.base
     names = _peft_names(base)
     layers = lv.get("layers_to_transform")
@@ -393,7 +359,7 @@ def target_absent(ctx):
     scopes=BOTH,
     severity_doc="warning (error on a published directory)",
 )
-def patterns_ignored(ctx):
+def patterns_ignored(ctx: Facts):
     lv = ctx.lora
     try:
         rng = ctx.vllm
@@ -412,9 +378,10 @@ def patterns_ignored(ctx):
 
     want = scale(r, alpha)
     try:  # adapter: the modules in the tensors, as PEFT names them; training config: the pattern keys
-        names = sorted({m.peft_module for m in ctx.modules})
-    except (Unavailable, AttributeError):
-        names = list(rp) + list(ap)
+        modules = ctx.modules_or_none
+    except Unavailable:
+        modules = None
+    names = sorted({m.peft_module for m in modules}) if modules is not None else list(rp) + list(ap)
     differ = [
         k
         for k in names
@@ -422,7 +389,7 @@ def patterns_ignored(ctx):
     ]
     if not differ:
         return
-    published = getattr(ctx, "published", False)
+    published = ctx.published
     yield Issue(
         f"vLLM {ctx.rules.vllm_version} ({rng.name}) ignores rank_pattern/alpha_pattern and scales every module by "
         f"alpha/r = {want:g}, but {len(differ)} module(s) ({', '.join(sorted(differ)[:3])}...) were trained with "
@@ -445,7 +412,7 @@ def patterns_ignored(ctx):
     "does not serve embedding LoRA (`fleet.allow_embedding_targets`)",
     scopes=("train",),
 )
-def embedding_targets(ctx):
+def embedding_targets(ctx: TrainFacts):
     lv = ctx.lora
     emb = sorted(set(lv.targets) & EMBEDDING_MODULES)
     if emb and not ctx.rules.allow_embedding_targets:

@@ -1,4 +1,5 @@
-"""The facts one validation establishes once and its checks share (read lazily, each at most once).
+"""The facts one validation of an adapter directory establishes once and its checks share (read lazily,
+each at most once): `Context` provides `pipeline.validate.facts.AdapterFacts`.
 
 A property raises `Unavailable` when its fact cannot be established (no base given, unreadable
 weights...): the check that needed it is skipped, and the missing fact itself is reported by the check
@@ -23,18 +24,20 @@ from pipeline.artifacts.adapter import (
     parse_key,
     read_adapter_config,
 )
-from pipeline.artifacts.checkpoint import LAYER_RE, Checkpoint, read_checkpoint
+from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, LAYER_RE
 from pipeline.artifacts.hashing import DirectoryScan, scan_directory, sha256_file
 from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.artifacts.normalise import FoldResult, ParityError, fold_rslora
 from pipeline.artifacts.safetensors import HeaderError, TensorInfo, file_metadata, read_safetensors_header
-from pipeline.serving.versions import UnknownVllmVersion, VllmRange, rules_for
+from pipeline.errors import PipelineError
 from pipeline.serving.vllm import ALLOWED_DTYPES, QWEN35_MODULES
+from pipeline.validate import behaviour as behaviour_eval
 from pipeline.validate import template
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer
+from pipeline.validate.facts import CheckpointFacts, Fact, Unavailable
 from pipeline.validate.lora_view import LoraView
 from pipeline.validate.report import FleetRules, ValidationReport
-from pipeline.validate.rules import Unavailable
-from pipeline.validate.template import TemplateFacts
+from pipeline.validate.template import AddedTokens, TemplateFacts
 
 
 @dataclass
@@ -75,8 +78,16 @@ class ModuleEntry:
         return self.a.shape[0] if self.a is not None and len(self.a.shape) == 2 else None
 
 
+@dataclass(frozen=True)
+class WeightsState:
+    """The weights file: state ok | missing | pickle | ambiguous | not_file | unreadable | header | empty."""
+
+    state: str
+    detail: str = ""
+
+
 @dataclass
-class Context(TemplateFacts):
+class Context(CheckpointFacts, TemplateFacts):
     adapter_dir: Path
     base_dir: Path | None
     rules: FleetRules
@@ -108,25 +119,27 @@ class Context(TemplateFacts):
 
     # -- adapter_config.json ---------------------------------------------------------------------------------------
     @cached_property
-    def _config(self) -> tuple[AdapterConfig | None, str | None, str | None]:
-        """(config, error kind "missing"|"invalid", message)."""
+    def config_fact(self) -> Fact[AdapterConfig]:
+        """adapter_config.json, or why not (reason "missing" | "invalid")."""
         _ = self.scan
         try:
-            return read_adapter_config(self.adapter_dir), None, None
+            return Fact(read_adapter_config(self.adapter_dir))
         except FileNotFoundError as e:
-            return None, "missing", str(e)
+            return Fact(None, str(e), "missing")
         except AdapterConfigError as e:
-            return None, "invalid", str(e)
+            return Fact(None, str(e), "invalid")
         except OSError as e:
-            return None, "invalid", f"{self.where_config}: cannot be read ({e})"
+            return Fact(None, f"{self.where_config}: cannot be read ({e})", "invalid")
 
     @property
     def cfg(self) -> AdapterConfig:
         """adapter_config.json as read (fields may have wrong types: see `typed_cfg`)."""
-        cfg = self._config[0]
-        if cfg is None:
-            raise Unavailable
-        return cfg
+        return self.config_fact.get()
+
+    @property
+    def lora_problems(self) -> list:
+        """Fields whose type or value PEFT's LoraConfig refuses (artifacts.adapter.config_problems)."""
+        return self.cfg.problems
 
     @property
     def typed_cfg(self) -> AdapterConfig:
@@ -140,54 +153,44 @@ class Context(TemplateFacts):
     def lora(self) -> LoraView:
         return LoraView.from_adapter_config(self.typed_cfg)
 
-    # -- fleet version -----------------------------------------------------------------------------------------------
-    @cached_property
-    def _vllm(self) -> tuple[VllmRange | None, str | None]:
-        if not self.rules.vllm_version:
-            return None, "fleet.vllm_version is empty: set it to what the instances run (`GET /version`)"
-        try:
-            return rules_for(self.rules.vllm_version), None
-        except UnknownVllmVersion as e:
-            return None, str(e)
-
     @property
-    def vllm(self) -> VllmRange:
-        rng = self._vllm[0]
-        if rng is None:
-            raise Unavailable
-        return rng
+    def stats(self) -> dict:
+        return self.report.stats
 
     # -- the weights file --------------------------------------------------------------------------------------------
     @cached_property
-    def weights_state(self) -> tuple[str, str]:
-        """(state, detail): ok | missing | pickle | ambiguous | not_file | unreadable | header | empty."""
+    def _header_fact(self) -> tuple[WeightsState, dict[str, TensorInfo] | None]:
         w = self.wfile
         pickles = [p for p in PICKLE_WEIGHTS if (self.adapter_dir / p).exists()]
         if (w.exists() or w.is_symlink()) and not self._regular(WEIGHTS_FILE):
             kind = "a directory" if w.is_dir() and not w.is_symlink() else "a symlink or special file"
-            return "not_file", kind
+            return WeightsState("not_file", kind), None
         if pickles and w.exists():
-            return "ambiguous", pickles[0]
+            return WeightsState("ambiguous", pickles[0]), None
         if pickles:
-            return "pickle", pickles[0]
+            return WeightsState("pickle", pickles[0]), None
         if not w.exists():
-            return "missing", ""
+            return WeightsState("missing"), None
         try:
             header = read_safetensors_header(w)
         except HeaderError as e:
-            return "header", str(e)
+            return WeightsState("header", str(e)), None
         except OSError as e:
-            return "unreadable", f"{w}: cannot be read ({e})"
+            return WeightsState("unreadable", f"{w}: cannot be read ({e})"), None
         if not header:
-            return "empty", ""
-        self.__dict__["header"] = header
-        return "ok", ""
+            return WeightsState("empty"), None
+        return WeightsState("ok"), header
+
+    @property
+    def weights_state(self) -> WeightsState:
+        return self._header_fact[0]
 
     @property
     def header(self) -> dict[str, TensorInfo]:
-        if self.weights_state[0] != "ok":
+        header = self._header_fact[1]
+        if header is None:
             raise Unavailable
-        return self.__dict__["header"]
+        return header
 
     @cached_property
     def weights_sha256(self) -> str:
@@ -229,43 +232,22 @@ class Context(TemplateFacts):
     def reject(self, m: ModuleEntry) -> None:
         self.rejected.add(m.peft_module)
 
-    # -- base and served checkpoints --------------------------------------------------------------------------------
-    @cached_property
-    def _base(self) -> tuple[Checkpoint | None, str | None]:
-        if self.base_dir is None:
-            return None, None
-        try:
-            return read_checkpoint(Path(self.base_dir)), None
-        except (FileNotFoundError, ValueError, OSError) as e:
-            return None, str(e)
-
+    # -- base and served checkpoints (CheckpointFacts) ---------------------------------------------------------------
     @property
-    def base(self) -> Checkpoint:
-        b = self._base[0]
-        if b is None:
-            raise Unavailable
-        return b
+    def modules_or_none(self) -> list[ModuleEntry] | None:
+        return self.modules
 
     @cached_property
-    def _served(self) -> tuple[Checkpoint | None, str | None]:
-        if self.served_dir is None:
-            return None, None
-        try:
-            return read_checkpoint(Path(self.served_dir)), None
-        except (FileNotFoundError, ValueError, OSError) as e:
-            return None, str(e)
-
-    @property
-    def served(self) -> Checkpoint:
-        s = self._served[0]
-        if s is None:
-            raise Unavailable
-        return s
-
-    @property
-    def served_architecture(self) -> str | None:
-        arch = self.served.config.get("architectures") or [None]
-        return arch[0]
+    def served_geometry_diffs(self) -> list[str]:
+        """Text geometry keys (hidden size, layers, heads...) in which the served checkpoint differs from the base."""
+        base, served = self.base, self.served
+        return [
+            f"{k}: base {base.text_config.get(k)!r} vs served {served.text_config.get(k)!r}"
+            for k in GEOMETRY_KEYS
+            if k in base.text_config
+            and k in served.text_config
+            and base.text_config[k] != served.text_config[k]
+        ]
 
     def allowed_modules(self, layer: int) -> set[str]:
         """Modules vLLM can patch on `layer` of the base (by layer type)."""
@@ -275,23 +257,20 @@ class Context(TemplateFacts):
 
     # -- manifest ---------------------------------------------------------------------------------------------------
     @cached_property
-    def _manifest(self) -> tuple[dict | None, str | None]:
-        """(manifest, why it could not be read): (None, None) when there is none."""
+    def manifest_fact(self) -> Fact[dict]:
+        """manifest.json, or why it could not be read; an empty fact when there is none."""
         if (self.adapter_dir / MANIFEST) not in self.scan.files:  # never open a FIFO or follow a link
-            return None, None
-        try:
-            return read_manifest(self.adapter_dir), None
-        except (FileNotFoundError, ValueError, OSError) as e:
-            return None, str(e)
+            return Fact()
+        return Fact.of(lambda: read_manifest(self.adapter_dir), FileNotFoundError, ValueError, OSError)
 
     @property
     def manifest(self) -> dict | None:
-        return self._manifest[0]
+        return self.manifest_fact.value
 
     @property
     def manifest_problem(self) -> str | None:
         """Why manifest.json could not be read (not JSON, wrong fields), or None."""
-        return self._manifest[1]
+        return self.manifest_fact.missing
 
     @property
     def published(self) -> bool:
@@ -378,41 +357,66 @@ class Context(TemplateFacts):
 
     # -- tokenizer and template (TemplateFacts) ---------------------------------------------------------------------
     @cached_property
-    def adapter_tokenizer(self):
-        """(ChatTokenizer | None, error | None) of tokenizer files shipped with the adapter."""
+    def adapter_tokenizer(self) -> Fact[ChatTokenizer]:
+        """The tokenizer files shipped with the adapter (an empty fact when there are none)."""
         if (
             not has_tokenizer(self.adapter_dir)
             or (self.adapter_dir / "tokenizer.json") not in self.scan.files
         ):
-            return None, None
-        try:
-            return ChatTokenizer.load(self.adapter_dir), None
-        except (TokenizerError, OSError) as e:
-            return None, str(e)
+            return Fact()
+        return Fact.of(lambda: ChatTokenizer.load(self.adapter_dir), TokenizerError, OSError)
 
     @property
     def training_where(self) -> str:
         return str(self.options.training_config or self.adapter_dir)
 
     def _training_side(self):
-        side = template.training_side(self.adapter_dir, self.options.training_config, self.base_dir)
-        return side, None, self.training_where
+        return template.training_side(self.adapter_dir, self.options.training_config, self.base_dir)
 
-    def _added_tokens(self):
-        atok, served = self.adapter_tokenizer[0], self.served_tokenizer[0]
+    def _added_tokens(self) -> AddedTokens:
+        atok, served = self.adapter_tokenizer.value, self.served_tokenizer.value
         if atok is None or served is None:
-            return [], ""
+            return AddedTokens([], "")
         s_added = served.added()
         added = sorted((t, i) for t, i in atok.added().items() if t not in s_added)
-        return added, str(self.adapter_dir / "tokenizer.json")
+        return AddedTokens(added, str(self.adapter_dir / "tokenizer.json"))
 
     @property
     def template_unchecked(self) -> str | None:
-        if self.training[0] is None and self.training[1] is None:
+        if self.training.value is None and self.training.missing is None:
             return (
                 "no training template found (no resolved axolotl config, no chat template or tokenizer files with "
                 "the adapter): tokenizer and chat template not compared; pass --training-config"
             )
-        if self.served_tokenizer[0] is None and self.served_tokenizer[1] is None:
+        if self.served_tokenizer.value is None and self.served_tokenizer.missing is None:
             return "no served or base tokenizer available: tokenizer and chat template not compared"
         return None
+
+    # -- what the optional steps established ------------------------------------------------------------------------
+    @cached_property
+    def fold(self) -> Fact[FoldResult]:
+        """`--fold-rslora`: the fold (done once, before anything reads adapter_config.json), or why not.
+
+        reason "parity": folding would change a module's scale (nothing written); an unreadable config or
+        weights file is an empty fact (its own checks report it)."""
+        try:
+            return Fact(fold_rslora(self.adapter_dir))
+        except ParityError as e:
+            return Fact(None, str(e), "parity")
+        except (FileNotFoundError, ValueError, OSError, PipelineError):
+            return Fact()
+
+    @cached_property
+    def behaviour(self) -> Fact[dict]:
+        """`--behaviour`'s measurements (`behaviour.evaluate`), or why not: reason "skip" (no base), "static"
+        (static checks failed first), "load" (transformers/peft could not load base + adapter)."""
+        if self.base_dir is None:
+            return Fact(None, "--behaviour needs the bf16 base: pass --base DIR", "skip")
+        if not self.report.passed:
+            return Fact(None, None, "static")
+        try:
+            return Fact(
+                behaviour_eval.evaluate(self.adapter_dir, self.base_dir, self.options.validation_files)
+            )
+        except behaviour_eval.BehaviourUnavailable as e:
+            return Fact(None, str(e), "load")

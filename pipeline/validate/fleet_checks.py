@@ -6,6 +6,7 @@ upstream vLLM PR #22782 (LoRA buffers are sized by `--max-lora-rank`).
 
 from __future__ import annotations
 
+from pipeline.validate.facts import AdapterFacts, Facts
 from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")
@@ -20,10 +21,11 @@ OVERSIZE = 4  # warn when max_lora_rank > OVERSIZE x the largest rank the adapte
     scopes=BOTH,
     severity_doc="error (info when allowed)",
 )
-def version_unknown(ctx):
-    rng, msg = ctx._vllm
-    if rng is not None:
+def version_unknown(ctx: Facts):
+    fact = ctx.vllm_fact
+    if fact.known:
         return
+    msg = fact.missing
     allowed = "serving.version_unknown" in ctx.options.allow
     yield Issue(
         msg + (" (allowed: version-specific key, scale and layout checks were skipped)" if allowed else ""),
@@ -38,7 +40,7 @@ def version_unknown(ctx):
     "resolver mode and `base_model_name_or_path` != `served.model` (info before publish, which rewrites it)",
     severity_doc="error (info before publish)",
 )
-def resolver_base(ctx):
+def resolver_base(ctx: AdapterFacts):
     """vLLM's filesystem resolver loads a directory only if base_model_name_or_path == the `vllm serve` model."""
     rules = ctx.rules
     if rules.loading_mode != "resolver":
@@ -83,7 +85,7 @@ def _ranks(ctx) -> list[int]:
     "(vLLM sizes LoRA buffers by it: throughput lost, PR #22782)",
     scopes=BOTH,
 )
-def rank_oversized(ctx):
+def rank_oversized(ctx: Facts):
     try:
         ranks = _ranks(ctx)
     except Unavailable:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.serving.modules import runtime_target, served_key_prefix
-from pipeline.serving.vllm import EMBEDDING_MODULES, fleet_applies
+from pipeline.serving.vllm import EMBEDDING_MODULES, fleet_applies, runtime_module
+from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, Unavailable, check, grouped
 
 
@@ -35,7 +36,7 @@ def _where(ctx, m) -> str:
 @check(
     "keys.unknown", "error", "a tensor that is no LoRA A/B factor (e.g. a base weight saved into the adapter)"
 )
-def unknown(ctx):
+def unknown(ctx: AdapterFacts):
     for name in ctx.unknown_tensors:
         yield Issue(
             "not a LoRA A/B tensor name (expected ...<module>.lora_A.weight): remove it or re-save with peft",
@@ -48,7 +49,7 @@ def unknown(ctx):
     "error",
     "a LoRA tensor name vLLM's parser refuses (`lora_A.default.weight`, `lora_A` without `.weight`...)",
 )
-def grammar(ctx):
+def grammar(ctx: AdapterFacts):
     yield from grouped(
         Issue(
             f"{why}: vLLM refuses to load the adapter (HTTP 500); re-save it with peft's save_pretrained, which "
@@ -65,10 +66,10 @@ def grammar(ctx):
     "error",
     "`lora_B.bias` tensors (lora_bias): PEFT drops them when `lora_bias` is false, vLLM refuses them",
 )
-def bias_tensors(ctx):
+def bias_tensors(ctx: AdapterFacts):
     names = [n for n, why in ctx.malformed_tensors.items() if "bias" in why]
     if names:
-        lb = ctx.cfg.raw.get("lora_bias") if ctx._config[0] is not None else None
+        lb = ctx.config_fact.value.raw.get("lora_bias") if ctx.config_fact.known else None
         yield Issue(
             f"{len(names)} LoRA bias tensor(s), e.g. {names[0]} (adapter_config.json lora_bias = {lb!r}): vLLM "
             "refuses LoRA bias (HTTP 500 at load) and PEFT ignores them unless lora_bias is true; retrain without "
@@ -78,7 +79,7 @@ def bias_tensors(ctx):
 
 
 @check("keys.pair", "error", "lora_A without lora_B (or the reverse)")
-def pair(ctx):
+def pair(ctx: AdapterFacts):
     for m in ctx.live():
         if m.a is None or m.b is None:
             ctx.reject(m)
@@ -96,7 +97,7 @@ def pair(ctx):
     "embed_tokens/lm_head LoRA while the fleet does not serve it "
     "(`fleet.allow_embedding_targets`, and vLLM 0.19-0.25 reject it)",
 )
-def embedding(ctx):
+def embedding(ctx: AdapterFacts):
     for m in ctx.live():
         if m.head not in EMBEDDING_MODULES:
             continue
@@ -121,7 +122,7 @@ def embedding(ctx):
 
 
 @check("keys.mtp", "error", "`mtp.*` LoRA (vLLM's MTP drafter has none: loads, never applied)")
-def mtp(ctx):
+def mtp(ctx: AdapterFacts):
     for m in ctx.live():
         if m.head == "mtp":
             ctx.reject(m)
@@ -132,7 +133,7 @@ def mtp(ctx):
 
 
 @check("keys.visual", "error", "vision-tower LoRA (accepted by vLLM, never applied on a text fleet)")
-def visual(ctx):
+def visual(ctx: AdapterFacts):
     for m in ctx.live():
         if m.head == "visual":
             ctx.reject(m)
@@ -144,7 +145,7 @@ def visual(ctx):
 
 
 @check("keys.conv1d", "error", "`conv1d` LoRA (vLLM's kernel reads the weight directly: no effect)")
-def conv1d(ctx):
+def conv1d(ctx: AdapterFacts):
     for m in ctx.live():
         if m.sub and m.sub.endswith("conv1d"):
             ctx.reject(m)
@@ -156,7 +157,7 @@ def conv1d(ctx):
 
 
 @check("keys.layer", "error", "a layer index >= the base's layer count")
-def layer(ctx):
+def layer(ctx: AdapterFacts):
     n = ctx.base.num_layers
     beyond = [m for m in ctx.live() if m.layer is not None and m.layer >= n]
     for m in beyond:
@@ -176,7 +177,7 @@ def layer(ctx):
     "not a decoder-layer module, or a module that layer type lacks (q_proj only on "
     "full attention, in_proj_* only on Gated DeltaNet)",
 )
-def module(ctx):
+def module(ctx: AdapterFacts):
     for m in ctx.live():
         if m.layer is None:
             ctx.reject(m)
@@ -206,7 +207,7 @@ def module(ctx):
 
 
 @check("keys.shape", "error", "A/B shapes do not fit the base's `[out, in]`, or A and B disagree on the rank")
-def shape(ctx):
+def shape(ctx: AdapterFacts):
     base = ctx.base
     for m in ctx.live():
         out_f, in_f = base.linear_shape(m.module)
@@ -232,7 +233,7 @@ def shape(ctx):
 @check(
     "keys.rank", "error", "a tensor's rank differs from `r` / `rank_pattern` (served with the wrong scale)"
 )
-def rank(ctx):
+def rank(ctx: AdapterFacts):
     cfg = ctx.typed_cfg
     found = []
     for m in ctx.live():
@@ -254,19 +255,94 @@ def rank(ctx):
 @check(
     "keys.fleet_targets",
     "error",
-    "a module outside `--lora-target-modules` (vLLM's packed-module rule: listing `q_proj` opens `qkv_proj`)",
+    "a module outside `--lora-target-modules` as the fleet's vLLM matches it (0.19: runtime names only, "
+    "`qkv_proj` not `q_proj`; 0.20+: packed-aware, listing `q_proj` opens `qkv_proj`)",
 )
-def fleet_targets(ctx):
+def fleet_targets(ctx: AdapterFacts):
+    rng, targets = ctx.vllm, ctx.rules.lora_target_modules
+    live = ctx.live()
     outside: dict[str, list[int]] = {}
+    for m in live:
+        short = m.sub.split(".")[-1]
+        if not fleet_applies(short, targets, rng):
+            outside.setdefault(short, []).append(m.layer)
+    if not outside:
+        return
+    dropped = sum(len(v) for v in outside.values())
+    runtime_only = not rng.target_modules_packed_aware
+    parts = []
+    for short, layers in sorted(outside.items()):
+        runtime = runtime_module(short, rng)
+        via = f" (applied through {runtime!r})" if runtime_only and runtime != short else ""
+        parts.append(f"{short}{via} on layers {ranges(layers)}")
+    needed = sorted({runtime_module(s, rng) if runtime_only else s for s in outside})
+    how = (
+        f"vLLM {ctx.rules.vllm_version} ({rng.name}) matches --lora-target-modules against its runtime module names "
+        "only (lora/utils.py is_in_target_modules), not the adapter's PEFT names: "
+        if runtime_only
+        else ""
+    )
+    yield Issue(
+        f"{dropped} of {len(live)} adapted modules are outside the fleet's --lora-target-modules {targets}: "
+        f"{'; '.join(parts)}. vLLM loads the adapter and silently does not apply them; {how}add {needed} to "
+        "fleet.lora_target_modules (and the instances' flags) or retrain without them",
+        str(ctx.wfile),
+    )
+
+
+_GDN_PAIR = ("in_proj_qkv", "in_proj_z")  # the adapter modules vLLM packs into the fused in_proj_qkvz
+
+
+@check(
+    "keys.gdn_partial",
+    "error",
+    "`in_proj_qkv` adapted without `in_proj_z` on a layer (or the reverse) where the fleet's vLLM crashes "
+    "activating it (0.21-0.27 either way, vllm#47639; 0.32-0.33 `in_proj_z` alone)",
+)
+def gdn_partial(ctx: AdapterFacts):
+    """vllm/lora/layers/column_parallel_linear.py `expand_packed_lora` (0.21+) splits the adapter's two GDN
+    groups over the fused layer's 4 slices; a missing member is None and `b_i.shape` raises (0.21-0.27); from
+    0.32 a missing in_proj_z is a placeholder, but a missing in_proj_qkv covers every slice and in_proj_z
+    finds none (ValueError). 0.19/0.20 split the fused layer when LoRA is on: no crash."""
+    rng = ctx.vllm
+    by_layer: dict[int, set[str]] = {}
     for m in ctx.live():
         short = m.sub.split(".")[-1]
-        if not fleet_applies(short, ctx.rules.lora_target_modules):
-            outside.setdefault(short, []).append(m.layer)
-    for short, layers in sorted(outside.items()):
+        if short in _GDN_PAIR:
+            by_layer.setdefault(m.layer, set()).add(short)
+    alone: dict[str, list[int]] = {}
+    for layer, have in by_layer.items():
+        if len(have) == 1 and (only := next(iter(have))) in rng.gdn_partial_crash:
+            alone.setdefault(only, []).append(layer)
+    for only, layers in sorted(alone.items()):
+        other = next(x for x in _GDN_PAIR if x != only)
         yield Issue(
-            f"{short} (layers {ranges(layers)}) is outside the fleet's --lora-target-modules "
-            f"{ctx.rules.lora_target_modules}: vLLM would silently not apply it; add {short} to "
-            "fleet.lora_target_modules (and the instances' flags) or retrain without it",
+            f"{only} is adapted without {other} on layers {ranges(layers)}: vLLM {ctx.rules.vllm_version} "
+            f"({rng.name}) packs both into in_proj_qkvz and crashes activating this adapter "
+            "(lora/layers/column_parallel_linear.py expand_packed_lora; vllm-project/vllm#47639); retrain with "
+            f"both {only} and {other} in lora_target_modules (or neither)",
+            str(ctx.wfile),
+        )
+
+
+@check(
+    "keys.fully_sharded",
+    "error",
+    "`in_proj_qkv` LoRA on a fleet started with `--fully-sharded-loras` whose vLLM skips it (0.19.x: no sharded "
+    "wrapper for the 3-slice layer)",
+)
+def fully_sharded(ctx: AdapterFacts):
+    rng = ctx.vllm
+    if not (ctx.rules.fully_sharded_loras and rng.fully_sharded_skips_in_proj_qkv):
+        return
+    layers = [m.layer for m in ctx.live() if m.sub and m.sub.endswith("in_proj_qkv")]
+    if layers:
+        yield Issue(
+            f"in_proj_qkv is adapted on layers {ranges(layers)} but vLLM {ctx.rules.vllm_version} ({rng.name}) with "
+            "--fully-sharded-loras has no sharded LoRA wrapper for the 3-slice in_proj_qkv "
+            "(lora/layers/column_parallel_linear.py) and silently serves those modules without the adapter: "
+            "start the instances without --fully-sharded-loras (fleet.fully_sharded_loras: false) or upgrade "
+            "the fleet to 0.20+",
             str(ctx.wfile),
         )
 
@@ -277,7 +353,7 @@ def fleet_targets(ctx):
     "the same module under both the text (`model.layers.N`) and the VL "
     "(`model.language_model.layers.N`) prefix",
 )
-def mixed_layout(ctx):
+def mixed_layout(ctx: AdapterFacts):
     seen: dict[str, list] = {}
     for m in ctx.live():
         seen.setdefault(m.module, []).append(m)
@@ -300,7 +376,7 @@ def mixed_layout(ctx):
     "renames them (parity proven)",
     severity_doc="warning (error on a published directory)",
 )
-def served_layout(ctx):
+def served_layout(ctx: AdapterFacts):
     rng, arch = ctx.vllm, ctx.served_architecture
     prefix = served_key_prefix(arch)
     if prefix is None or arch not in rng.qwen35_classes:
@@ -362,7 +438,7 @@ def _present(ctx, *, rejected_too: bool = False) -> dict[str, set[int]]:
     "(`target_modules`, `layers_to_transform`, `layers_pattern`, `exclude_modules`): PEFT would not apply them, "
     "vLLM would",
 )
-def not_targeted(ctx):
+def not_targeted(ctx: AdapterFacts):
     expected, present = _expected(ctx), _present(ctx)
     for sub, layers in sorted(present.items()):
         extra = layers - expected.get(sub, set())
@@ -376,7 +452,7 @@ def not_targeted(ctx):
 
 
 @check("keys.declared_absent", "error", "the config targets a module type no tensor adapts")
-def declared_absent(ctx):
+def declared_absent(ctx: AdapterFacts):
     expected, present = _expected(ctx), _present(ctx, rejected_too=True)
     for sub in sorted(set(expected) - set(present)):
         yield Issue(
@@ -387,7 +463,7 @@ def declared_absent(ctx):
 
 
 @check("keys.partial", "error", "a targeted module type is missing on some layers (partial coverage)")
-def partial(ctx):
+def partial(ctx: AdapterFacts):
     expected, present = _expected(ctx), _present(ctx, rejected_too=True)
     for sub, layers in sorted(present.items()):
         missing = sorted(expected.get(sub, set()) - layers)

@@ -1,9 +1,9 @@
 """What `pipeline publish` asks validation before a version goes onto the volume.
 
 1. The verdict is bound to what it checked (`ValidationReport.bound`: weights, served checkpoint identity,
-   fleet vLLM version, rules version). When the served checkpoint (its config.json sha256 or revision), the
-   fleet's vLLM version or the rule set differs now, the registered adapter is re-validated statically
-   against the current config; a failure refuses the publish.
+   the whole fleet profile the rules read (`FleetRules.profile()`: max rank, target modules, embedding
+   targets, loading mode, served model, vLLM version...), rules version). When any of it differs now, the
+   registered adapter is re-validated statically against the current config; a failure refuses the publish.
 2. The fleet's vLLM version must lie in a known range (`pipeline.serving.versions`), unless the verdict was
    computed with `--allow serving.version_unknown`.
 3. The staging copy is normalised for the served class and version (`normalise_for_serving`: keys renamed to
@@ -45,6 +45,7 @@ def current_binding(cfg) -> dict:
             "config_sha256": sha256_file(cfg_file) if cfg_file and cfg_file.is_file() else None,
         },
         "vllm_version": cfg.fleet.vllm_version,
+        "fleet": FleetRules.from_config(cfg).profile(),
         "rules_version": rules_version(),
     }
 
@@ -63,6 +64,14 @@ def binding_differences(bound: dict, now: dict) -> list[str]:
         out.append(f"served revision {b.get('revision')} -> {n['revision']}")
     if b.get("config_sha256") != n["config_sha256"]:
         out.append(f"served checkpoint {b.get('path')} -> {n['path']} (config.json sha256 differs)")
+    fleet, fleet_now = bound.get("fleet"), now["fleet"]
+    if fleet is None:
+        out.append("the verdict records no fleet profile (validated by an older pipeline)")
+        return out
+    shown = {"vllm_version", "served_revision"}  # said above
+    for key in sorted(set(fleet) | set(fleet_now)):
+        if key not in shown and fleet.get(key) != fleet_now.get(key):
+            out.append(f"fleet profile {key} {fleet.get(key)!r} -> {fleet_now.get(key)!r}")
     return out
 
 

@@ -10,7 +10,7 @@ when any of them differs at publish time).
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from pipeline.artifacts.atomic import write_json_atomic
@@ -75,20 +75,40 @@ class ValidationReport(Report):
         write_json_atomic(path, self.to_dict())
 
 
+# Each FleetRules field and where pipeline.yaml sets it (section, field): the one fleet profile the rules read.
+PROFILE_SOURCES: dict[str, tuple[str, str]] = {
+    "max_lora_rank": ("fleet", "max_lora_rank"),
+    "lora_target_modules": ("fleet", "lora_target_modules"),
+    "allow_embedding_targets": ("fleet", "allow_embedding_targets"),
+    "fully_sharded_loras": ("fleet", "fully_sharded_loras"),
+    "speculative_mtp": ("fleet", "speculative_mtp"),
+    "loading_mode": ("fleet", "loading_mode"),
+    "vllm_version": ("fleet", "vllm_version"),
+    "served_model": ("served", "model"),
+    "served_path": ("served", "path"),
+    "served_checkpoint": ("served", "checkpoint"),
+    "served_revision": ("served", "revision"),
+}
+
+
 @dataclass
 class FleetRules:
-    """What the serving fleet accepts (the project config's `fleet` and `served` sections).
+    """What the serving fleet accepts: the fleet profile every rule reads (pipeline.yaml `fleet` and `served`).
 
-    `lora_target_modules` is vLLM's `--lora-target-modules`; `served_model` the exact model
-    string given to `vllm serve` (what the filesystem resolver compares with
-    `base_model_name_or_path`); `served_path` a local copy of the served checkpoint (config,
-    index, headers and tokenizer only are read); `vllm_version` what the instances run
-    (release or nightly string; `pipeline.serving.versions`).
+    `lora_target_modules` is vLLM's `--lora-target-modules`; `fully_sharded_loras` `--fully-sharded-loras`;
+    `speculative_mtp` whether the instances draft with the checkpoint's MTP layer (`--speculative-config
+    '{"method": "mtp"}'`); `served_model` the exact model string given to `vllm serve` (what the filesystem
+    resolver compares with `base_model_name_or_path`); `served_path` a local copy of the served checkpoint
+    (config, index, headers and tokenizer only are read); `vllm_version` what the instances run (release or
+    nightly string; `pipeline.serving.versions`). Built from a config by field name (`PROFILE_SOURCES`);
+    `profile()` is what a verdict is bound to.
     """
 
     max_lora_rank: int = 16
     lora_target_modules: list[str] | None = None
     allow_embedding_targets: bool = False
+    fully_sharded_loras: bool = False
+    speculative_mtp: bool = True
     loading_mode: str = "api"
     served_model: str | None = None
     served_path: Path | None = None
@@ -98,15 +118,13 @@ class FleetRules:
 
     @classmethod
     def from_config(cls, cfg) -> FleetRules:
-        """From a `ProjectConfig`."""
-        return cls(
-            cfg.fleet.max_lora_rank,
-            cfg.fleet.lora_target_modules,
-            cfg.fleet.allow_embedding_targets,
-            cfg.fleet.loading_mode,
-            cfg.served.model,
-            cfg.served.path,
-            cfg.served.checkpoint,
-            cfg.served.revision,
-            cfg.fleet.vllm_version,
-        )
+        """From a `ProjectConfig`, field by field (`PROFILE_SOURCES`)."""
+        return cls(**{f: getattr(getattr(cfg, sec), name) for f, (sec, name) in PROFILE_SOURCES.items()})
+
+    def profile(self) -> dict:
+        """Every field as JSON values (paths as strings): what a verdict was computed against."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = str(v) if isinstance(v, Path) else (list(v) if isinstance(v, tuple) else v)
+        return out

@@ -1,7 +1,7 @@
 """Validation checks as data: each check is a named rule (id, severity, area, doc line, one function).
 
-A check function takes the run's context (`pipeline.validate.context.Context`, or for training-config
-checks `pipeline.validate.train_checks.TrainContext`) and yields `Issue`s; the orchestrator (`run`)
+A check function takes the facts it reads (its signature names the protocol: `Facts`, `AdapterFacts` or
+`TrainFacts`, `pipeline.validate.facts`) and yields `Issue`s; the orchestrator (`run`)
 turns them into findings with the check's id and severity, so every finding of a run comes from one
 registered rule. A check that needs a fact the context could not establish (no base, unreadable
 weights...) raises `Unavailable` through the context and is skipped: the missing fact is reported
@@ -20,6 +20,19 @@ from dataclasses import dataclass
 
 from pipeline.findings import SEVERITIES, Report
 from pipeline.serving.versions import RANGES
+from pipeline.validate.facts import Unavailable
+
+__all__ = [
+    "RULES",
+    "CheckSpec",
+    "Issue",
+    "Unavailable",
+    "check",
+    "grouped",
+    "rules_version",
+    "run",
+    "specs",
+]
 
 SCOPES = ("adapter", "train")
 # Areas in the order their checks run (a later area may rely on facts an earlier one established).
@@ -38,10 +51,6 @@ AREAS = (
     "behaviour",
     "train",
 )
-
-
-class Unavailable(Exception):
-    """A fact a check needs is missing (reported by another check): skip this check."""
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,16 @@ the adapter adapts, with the same logical shape? Headers and config only.
 
 from __future__ import annotations
 
-from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, logical_linear_shape, quant_algo
+from pipeline.artifacts.checkpoint import logical_linear_shape, quant_algo
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.serving.vllm import KNOWN_QUANT
+from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.keys import ranges
-from pipeline.validate.rules import Issue, check
+from pipeline.validate.rules import Issue, Unavailable, check
 
 
 @check("served.unchecked", "warning", "no served checkpoint given (`served.path` / `--served`)")
-def unchecked(ctx):
+def unchecked(ctx: AdapterFacts):
     if ctx.served_dir is None:
         yield Issue(
             "no served checkpoint given: module names and shapes were not checked against what the fleet serves; "
@@ -22,8 +23,8 @@ def unchecked(ctx):
 
 
 @check("served.unreadable", "error", "the served checkpoint cannot be read")
-def unreadable(ctx):
-    _, err = ctx._served
+def unreadable(ctx: AdapterFacts):
+    err = ctx.served_fact.missing
     if err:
         yield Issue(
             f"{err}: set served.path to a local copy of the served checkpoint (config, index, headers)",
@@ -31,10 +32,10 @@ def unreadable(ctx):
         )
 
 
-def _stats(ctx):
+def _stats(ctx: AdapterFacts):
     served = ctx.served
     qfile = served.path / "hf_quant_config.json"
-    ctx.report.stats["served"] = {
+    ctx.stats["served"] = {
         "path": str(served.path),
         "checkpoint": ctx.rules.served_checkpoint,
         "revision": ctx.rules.served_revision,
@@ -51,7 +52,7 @@ def _stats(ctx):
     "the served checkpoint's `architectures` is not a class the fleet's vLLM "
     "version registers for Qwen3.5 (e.g. `Qwen3_5ForCausalLM` before 0.32)",
 )
-def architecture(ctx):
+def architecture(ctx: AdapterFacts):
     _stats(ctx)
     rng, arch = ctx.vllm, ctx.served_architecture
     mt = ctx.served.config.get("model_type", "")
@@ -67,7 +68,7 @@ def architecture(ctx):
 
 
 @check("served.not_quantized", "info", "the served checkpoint has no quantization config")
-def not_quantized(ctx):
+def not_quantized(ctx: AdapterFacts):
     if quant_algo(ctx.served) is None:
         yield Issue(
             "served checkpoint has no hf_quant_config.json or quantization_config: treated as unquantized",
@@ -76,7 +77,7 @@ def not_quantized(ctx):
 
 
 @check("served.quant_unknown", "warning", "unknown `quant_algo` (module shapes read as stored)")
-def quant_unknown(ctx):
+def quant_unknown(ctx: AdapterFacts):
     algo = quant_algo(ctx.served)
     if algo is not None and algo not in KNOWN_QUANT:
         yield Issue(
@@ -87,15 +88,9 @@ def quant_unknown(ctx):
 
 
 @check("served.geometry", "error", "text geometry (hidden size, layers, heads...) differs from the base")
-def geometry(ctx):
-    base, served = ctx.base, ctx.served
-    diffs = [
-        f"{k}: base {base.text_config.get(k)!r} vs served {served.text_config.get(k)!r}"
-        for k in GEOMETRY_KEYS
-        if k in base.text_config and k in served.text_config and base.text_config[k] != served.text_config[k]
-    ]
+def geometry(ctx: AdapterFacts):
+    served, diffs = ctx.served, ctx.served_geometry_diffs
     if diffs:
-        ctx.served_geometry_differs = True
         yield Issue(
             "the served checkpoint is not a quantization of this base ("
             + "; ".join(diffs)
@@ -104,14 +99,17 @@ def geometry(ctx):
         )
 
 
-def _comparable(ctx):
-    if getattr(ctx, "served_geometry_differs", False):
-        return []
+def _comparable(ctx: AdapterFacts):
+    try:
+        if ctx.served_geometry_diffs:
+            return []
+    except Unavailable:  # no base to compare with
+        pass
     return [m for m in ctx.live() if m.layer is not None]
 
 
 @check("served.module_missing", "error", "an adapted module is absent from the served checkpoint")
-def module_missing(ctx):
+def module_missing(ctx: AdapterFacts):
     served = ctx.served
     missing: dict[str, list[int]] = {}
     for m in _comparable(ctx):
@@ -126,7 +124,7 @@ def module_missing(ctx):
 
 
 @check("served.shape", "error", "an adapted module's unpacked `[out, in]` differs in the served checkpoint")
-def shape(ctx):
+def shape(ctx: AdapterFacts):
     served = ctx.served
     for m in _comparable(ctx):
         shape = logical_linear_shape(served, m.module)
@@ -143,11 +141,15 @@ def shape(ctx):
 
 @check(
     "served.nvfp4_gdn_scales",
-    "warning",
-    "vLLM 0.19.x with a ModelOpt NVFP4 checkpoint whose `linear_attn` "
-    "is quantized: `in_proj_qkv` per-tensor scales fill one slot (upstream PR #38517, fixed in 0.20.0)",
+    "error",
+    "vLLM 0.19.x with LoRA enabled and a ModelOpt NVFP4 checkpoint whose `linear_attn` is quantized: "
+    "`in_proj_qkv` per-tensor scales fill one slot, every request is served wrong (PR #38517, fixed in 0.20.0)",
 )
-def nvfp4_gdn_scales(ctx):
+def nvfp4_gdn_scales(ctx: AdapterFacts):
+    """With --enable-lora, 0.19.x builds in_proj_qkv as its own 3-slice layer (qwen3_5.py
+    create_in_proj_qkvz=False) and the ModelOpt NVFP4 loader fills one of its three per-tensor scale slots:
+    the base weights of every Gated-DeltaNet layer are wrong for every request on the instance, the base's
+    and every adapter's alike, whatever modules this adapter adapts. No adapter can fix it: the fleet must."""
     rng, served = ctx.vllm, ctx.served
     if not rng.nvfp4_gdn_scale_bug or quant_algo(served) != "NVFP4":
         return
@@ -157,12 +159,14 @@ def nvfp4_gdn_scales(ctx):
     quantized = any(
         t.dtype in ("U8", "I8") for m, t in served.modules.items() if m.endswith("linear_attn.in_proj_qkv")
     )
-    adapts = any(m.sub and m.sub.endswith("in_proj_qkv") for m in ctx.live())
-    if quantized and adapts:
+    if quantized:
         yield Issue(
-            f"vLLM {ctx.rules.vllm_version} ({rng.name}) loads ModelOpt NVFP4 linear_attn with one in_proj_qkv "
-            "per-tensor scale slot filled and the others uninitialised (upstream PR #38517, fixed in 0.20.0): the "
-            "base and this adapter's in_proj_qkv are served wrong; upgrade the fleet to 0.20+ or serve a checkpoint "
-            "that excludes linear_attn from quantization",
+            f"vLLM {ctx.rules.vllm_version} ({rng.name}) with --enable-lora loads this ModelOpt NVFP4 checkpoint's "
+            "linear_attn.in_proj_qkv with one per-tensor scale slot filled and the others uninitialised (upstream "
+            "PR #38517, fixed in 0.20.0): every request on these instances is served with wrong Gated-DeltaNet "
+            "weights, the base model's included, and no adapter change can fix it. Upgrade the fleet to vLLM "
+            "0.20.0 or later (then set fleet.vllm_version), or serve a checkpoint that keeps linear_attn "
+            "unquantized (hf_quant_config.json exclude_modules); --allow served.nvfp4_gdn_scales only where you "
+            "have measured the fleet's outputs",
             str(served.path / "hf_quant_config.json"),
         )

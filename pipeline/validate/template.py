@@ -31,7 +31,7 @@ import yaml
 from pipeline.artifacts.manifest import read_manifest
 from pipeline.errors import UsageError
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer, read_template, render
-from pipeline.validate.rules import Unavailable
+from pipeline.validate.facts import Fact, Unavailable
 
 CONTEXT_TOKENS = 8
 BOTH = ("adapter", "train")
@@ -256,12 +256,8 @@ def turn_terminator(tok: ChatTokenizer, template: str) -> str | None:
 # -- facts per context ---------------------------------------------------------------------------------------------
 def served_tokenizer_dir(ctx) -> Path | None:
     """The tokenizer the fleet uses: the served checkpoint's, else the base's (same model)."""
-    for getter in ("served", "base"):
-        try:
-            ck = getattr(ctx, getter)
-        except Unavailable:
-            continue
-        if has_tokenizer(ck.path):
+    for ck in (ctx.served_fact.value, ctx.base_fact.value):
+        if ck is not None and has_tokenizer(ck.path):
             return ck.path
     return None
 
@@ -301,45 +297,60 @@ def _safe_renderings(train, served, failed):
             yield label, a, b
 
 
+@dataclass(frozen=True)
+class AddedTokens:
+    """Tokens the training tokenizer adds that the served one lacks: [(token, id or None)], and where."""
+
+    tokens: list
+    where: str
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The fixed conversations rendered with the training and the served template."""
+
+    diverged: list  # [(name, training ids, served ids, first differing index)]
+    failed: list  # [(name, render error)]
+    where: str
+    train: TrainingSide
+    served: ChatTokenizer
+
+
 class TemplateFacts:
     """Tokenizer/template facts, shared by the adapter and the training-config contexts.
 
-    Subclasses provide `_training_side()` -> (TrainingSide | None, error | None, where) and
-    `_added_tokens()` -> (list, where).
+    Subclasses provide `_training_side()` -> TrainingSide | None (raising TokenizerError / ValueError /
+    OSError), `training_where` and `_added_tokens()` -> AddedTokens.
     """
 
     @cached_property
-    def served_tokenizer(self):
-        """(ChatTokenizer | None, error | None, directory) of the tokenizer the fleet uses."""
-        d = served_tokenizer_dir(self)
+    def served_tokenizer_dir(self) -> Path | None:
+        return served_tokenizer_dir(self)
+
+    @cached_property
+    def served_tokenizer(self) -> Fact[ChatTokenizer]:
+        """The tokenizer the fleet uses (the served checkpoint's, else the base's), or why it cannot be loaded."""
+        d = self.served_tokenizer_dir
         if d is None:
-            return None, None, None
-        try:
-            return ChatTokenizer.load(d), None, d
-        except (TokenizerError, OSError) as e:
-            return None, str(e), d
+            return Fact()
+        return Fact.of(lambda: ChatTokenizer.load(d), TokenizerError, OSError)
 
     @cached_property
-    def training(self):
+    def training(self) -> Fact[TrainingSide]:
         try:
-            return self._training_side()
+            return Fact(self._training_side())
         except (TokenizerError, ValueError, OSError) as e:
-            return None, f"{type(e).__name__}: {e}", str(getattr(self, "training_where", ""))
+            return Fact(None, f"{type(e).__name__}: {e}")
 
     @cached_property
-    def added_tokens(self):
+    def added_tokens(self) -> AddedTokens:
         return self._added_tokens()
 
     @cached_property
-    def template_comparison(self):
-        """(diverged, render failures, where, training side, served tokenizer); Unavailable when not comparable."""
-        train, served = self.training[0], self.served_tokenizer[0]
+    def template_comparison(self) -> Comparison:
+        """The comparison of both templates; Unavailable when there is nothing to compare."""
+        train, served = self.training.value, self.served_tokenizer.value
         if train is None or served is None or not served.template:
             raise Unavailable
         diverged, failed = compare(train, served)
-        self.report.stats["template_conversations"] = {
-            "rendered": len(CONVERSATIONS),
-            "diverged": sorted({n.split(" (")[0] for n, *_ in diverged}),
-        }
-        self.report.stats["template_source"] = {"training": train.source, "served": str(served.path)}
-        return diverged, failed, f"training {train.source} vs served {served.path}", train, served
+        return Comparison(diverged, failed, f"training {train.source} vs served {served.path}", train, served)

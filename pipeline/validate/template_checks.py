@@ -6,16 +6,17 @@ and `pipeline train` (the axolotl config's template and special tokens, the base
 
 from __future__ import annotations
 
+from pipeline.validate.facts import AdapterFacts, Facts
 from pipeline.validate.rules import Issue, check
-from pipeline.validate.template import CONTEXT_TOKENS, turn_terminator
+from pipeline.validate.template import CONTEXT_TOKENS, CONVERSATIONS, turn_terminator
 
 BOTH = ("adapter", "train")
 
 
 # -- checks -------------------------------------------------------------------------------------------------------
 @check("tokenizer.unreadable", "error", "tokenizer files shipped with the adapter cannot be loaded")
-def unreadable(ctx):
-    err = ctx.adapter_tokenizer[1]
+def unreadable(ctx: AdapterFacts):
+    err = ctx.adapter_tokenizer.missing
     if err:
         yield Issue(f"{err}: remove them or copy the served base's", str(ctx.adapter_dir))
 
@@ -26,12 +27,12 @@ def unreadable(ctx):
     "the served (or base) checkpoint's tokenizer files cannot be loaded (e.g. corrupt tokenizer.json)",
     scopes=BOTH,
 )
-def served_unreadable(ctx):
-    err = ctx.served_tokenizer[1]
+def served_unreadable(ctx: Facts):
+    err = ctx.served_tokenizer.missing
     if err:
         yield Issue(
             f"{err}: vLLM could not load it either; re-copy the served checkpoint's tokenizer files",
-            str(ctx.served_tokenizer[2]),
+            str(ctx.served_tokenizer_dir),
         )
 
 
@@ -42,8 +43,8 @@ def served_unreadable(ctx):
     "tokenizer files; axolotl `special_tokens`/`tokens`)",
     scopes=BOTH,
 )
-def added_tokens(ctx):
-    added, where = ctx.added_tokens
+def added_tokens(ctx: Facts):
+    added, where = ctx.added_tokens.tokens, ctx.added_tokens.where
     if added:
         yield Issue(
             f"the training tokenizer adds {len(added)} token(s) the served base lacks, e.g. {added[:5]}: they have no "
@@ -54,8 +55,8 @@ def added_tokens(ctx):
 
 
 @check("tokenizer.vocab", "error", "the adapter's tokenizer has another vocabulary than the served one")
-def vocab(ctx):
-    atok, served = ctx.adapter_tokenizer[0], ctx.served_tokenizer[0]
+def vocab(ctx: AdapterFacts):
+    atok, served = ctx.adapter_tokenizer.value, ctx.served_tokenizer.value
     if atok is None or served is None:
         return
     av, sv = atok.vocab(), served.vocab()
@@ -77,27 +78,27 @@ def vocab(ctx):
 
 
 @check("template.unchecked", "info", "no training template or no served tokenizer to compare with")
-def unchecked(ctx):
+def unchecked(ctx: AdapterFacts):
     reason = ctx.template_unchecked
     if reason:
-        yield Issue(reason, str(getattr(ctx, "adapter_dir", "")))
+        yield Issue(reason, ctx.training_where)
 
 
 @check("template.training", "error", "the training chat template cannot be resolved", scopes=BOTH)
-def training(ctx):
-    err = ctx.training[1]
+def training(ctx: Facts):
+    err = ctx.training.missing
     if err:
         yield Issue(
             f"cannot resolve the training chat template ({err}): fix chat_template in the training config "
             "(or pass --training-config with the run's resolved.yml)",
-            ctx.training[2],
+            ctx.training_where,
         )
 
 
 @check("template.served_missing", "error", "the served tokenizer has no chat template", scopes=BOTH)
-def served_missing(ctx):
-    served = ctx.served_tokenizer[0]
-    if served is not None and ctx.training[0] is not None and not served.template:
+def served_missing(ctx: Facts):
+    served = ctx.served_tokenizer.value
+    if served is not None and ctx.training.known and not served.template:
         yield Issue(
             f"the served tokenizer ({served.path}) has no chat template: vLLM chat requests would fail; ship "
             "chat_template.jinja with the served checkpoint",
@@ -108,12 +109,13 @@ def served_missing(ctx):
 @check(
     "template.render", "error", "a fixed conversation fails to render with one of the templates", scopes=BOTH
 )
-def render_fails(ctx):
-    for name, err in ctx.template_comparison[1]:
+def render_fails(ctx: Facts):
+    cmp = ctx.template_comparison
+    for name, err in cmp.failed:
         yield Issue(
             f"conversation {name!r} does not render ({err}): the two templates do not support the same messages; "
             "serve with the training template",
-            ctx.template_comparison[2],
+            cmp.where,
         )
 
 
@@ -124,9 +126,15 @@ def render_fails(ctx):
     "reasoning) or its generation prompt tokenizes differently with the training vs served template",
     scopes=BOTH,
 )
-def divergence(ctx):
-    diverged, _, where, train, served = ctx.template_comparison
-    ttok = train.tokenizer or served if train else served
+def divergence(ctx: Facts):
+    cmp = ctx.template_comparison
+    diverged, where, train, served = cmp.diverged, cmp.where, cmp.train, cmp.served
+    ctx.stats["template_conversations"] = {
+        "rendered": len(CONVERSATIONS),
+        "diverged": sorted({n.split(" (")[0] for n, *_ in diverged}),
+    }
+    ctx.stats["template_source"] = {"training": train.source, "served": str(served.path)}
+    ttok = train.tokenizer or served
     for name, a, b, i in diverged:
         ctx_txt = ttok.decode(a[max(0, i - CONTEXT_TOKENS) : i])
         yield Issue(
@@ -145,8 +153,8 @@ def divergence(ctx):
     "`eos_token` (axolotl then never trains it: the adapter does not stop) or not one the served engine stops at",
     scopes=BOTH,
 )
-def eos_terminator(ctx):
-    train, served = ctx.training[0], ctx.served_tokenizer[0]
+def eos_terminator(ctx: Facts):
+    train, served = ctx.training.value, ctx.served_tokenizer.value
     if train is None:
         return
     tok = train.tokenizer or served

@@ -13,20 +13,21 @@ from functools import cached_property
 from pathlib import Path
 
 from pipeline.artifacts.adapter import config_problems
-from pipeline.artifacts.checkpoint import Checkpoint, read_checkpoint
 from pipeline.findings import Report
-from pipeline.serving.versions import UnknownVllmVersion, VllmRange, rules_for
 from pipeline.validate import template
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer
 from pipeline.validate.context import Options
+from pipeline.validate.facts import CheckpointFacts, TrainFacts, Unavailable
 from pipeline.validate.lora_view import LoraView
 from pipeline.validate.report import FleetRules, ValidationReport
-from pipeline.validate.rules import RULES, Issue, Unavailable, check, run
-from pipeline.validate.template import TemplateFacts
+from pipeline.validate.rules import RULES, Issue, check, run
+from pipeline.validate.template import AddedTokens, TemplateFacts
 
 
 @dataclass
-class TrainContext(TemplateFacts):
+class TrainContext(CheckpointFacts, TemplateFacts):
+    """Provides `pipeline.validate.facts.TrainFacts` for an axolotl config."""
+
     data: dict  # the axolotl config (overrides applied)
     source: str  # its file
     rules: FleetRules
@@ -47,64 +48,33 @@ class TrainContext(TemplateFacts):
     def lora_unchecked(self) -> LoraView:
         return LoraView.from_axolotl(self.data, self.source)
 
+    @cached_property
+    def lora_problems(self) -> list:
+        return config_problems(self.lora_unchecked.as_peft())
+
     @property
     def lora(self) -> LoraView:
         """The LoRA settings once their regexes compile (`config.regex` reports the others)."""
-        if any(p.kind == "regex" for p in config_problems(self.lora_unchecked.as_peft())):
+        if any(p.kind == "regex" for p in self.lora_problems):
             raise Unavailable
         return self.lora_unchecked
+
+    @property
+    def stats(self) -> dict:
+        return self.report.stats
+
+    @property
+    def modules_or_none(self) -> None:
+        return None
 
     @property
     def training_where(self) -> str:
         return self.source
 
     @cached_property
-    def _vllm(self) -> tuple[VllmRange | None, str | None]:
-        try:
-            return rules_for(self.rules.vllm_version or ""), None
-        except UnknownVllmVersion as e:
-            return None, str(e)
-
-    @property
-    def vllm(self) -> VllmRange:
-        if self._vllm[0] is None:
-            raise Unavailable
-        return self._vllm[0]
-
-    @cached_property
     def base_dir(self) -> Path | None:
         b = self.data.get("base_model")
         return Path(str(b)) if b and Path(str(b)).is_dir() else None
-
-    @cached_property
-    def _base(self):
-        if self.base_dir is None:
-            return None
-        try:
-            return read_checkpoint(self.base_dir)
-        except (FileNotFoundError, ValueError, OSError):
-            return None
-
-    @property
-    def base(self) -> Checkpoint:
-        if self._base is None:
-            raise Unavailable
-        return self._base
-
-    @cached_property
-    def _served(self):
-        if self.served_dir is None:
-            return None
-        try:
-            return read_checkpoint(self.served_dir)
-        except (FileNotFoundError, ValueError, OSError):
-            return None
-
-    @property
-    def served(self) -> Checkpoint:
-        if self._served is None:
-            raise Unavailable
-        return self._served
 
     @cached_property
     def base_tokenizer(self) -> ChatTokenizer | None:
@@ -118,18 +88,18 @@ class TrainContext(TemplateFacts):
 
     # TemplateFacts
     def _training_side(self):
-        return template.training_side_from_config(self.data, self.source), None, self.source
+        return template.training_side_from_config(self.data, self.source)
 
-    def _added_tokens(self):
+    def _added_tokens(self) -> AddedTokens:
         tok = self.base_tokenizer
         if tok is None:
-            return [], self.source
+            return AddedTokens([], self.source)
         vocab = tok.vocab()
         wanted = [t for t in self.data.get("tokens") or [] if isinstance(t, str)]
         st = self.data.get("special_tokens") or {}
         wanted += [v for v in (st.values() if isinstance(st, dict) else []) if isinstance(v, str)]
         wanted += [t for t in self.data.get("added_tokens_overrides") or {} if isinstance(t, str)]
-        return [(t, None) for t in dict.fromkeys(wanted) if t not in vocab], self.source
+        return AddedTokens([(t, None) for t in dict.fromkeys(wanted) if t not in vocab], self.source)
 
     @property
     def template_unchecked(self) -> str | None:
@@ -144,19 +114,19 @@ class TrainContext(TemplateFacts):
     "checkpoint was quantized from)",
     scopes=("train",),
 )
-def qlora(ctx):
+def qlora(ctx: TrainFacts):
     if ctx.data.get("adapter") == "qlora":
         yield Issue("adapter: qlora trains against a 4-bit base: use `adapter: lora`", ctx.source)
 
 
 @check("train.base_model", "error", "`base_model` missing", scopes=("train",))
-def base_model(ctx):
+def base_model(ctx: TrainFacts):
     if not str(ctx.data.get("base_model") or ""):
         yield Issue("base_model is missing", ctx.source)
 
 
 @check("train.unpinned_base", "error", "a hub `base_model` without `base_model_revision`", scopes=("train",))
-def unpinned_base(ctx):
+def unpinned_base(ctx: TrainFacts):
     base = str(ctx.data.get("base_model") or "")
     if base and not Path(base).exists() and not ctx.data.get("base_model_revision"):
         yield Issue(
@@ -172,7 +142,7 @@ def unpinned_base(ctx):
     "(facts: `pipeline.train.preflight.packing_problems`, which needs the GPUs)",
     scopes=("train",),
 )
-def sample_packing(ctx):
+def sample_packing(ctx: TrainFacts):
     for msg in ctx.packing or ():
         yield Issue(msg.removeprefix(f"{ctx.source}: "), ctx.source)
 

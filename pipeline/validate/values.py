@@ -12,6 +12,7 @@ import statistics
 
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.artifacts.safetensors import DTYPE_BYTES, raw_header
+from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.keys import ranges
 from pipeline.validate.rules import Issue, check
 
@@ -30,7 +31,7 @@ def _numel(shape) -> int:
 @check(
     "values.nonfinite", "error", "NaN/Inf in a tensor (vLLM loads it and corrupts other tenants' requests)"
 )
-def nonfinite(ctx):
+def nonfinite(ctx: AdapterFacts):
     for name, n in ctx.nonfinite.items():
         yield Issue(
             f"{n} NaN/Inf values of {_numel(ctx.header[name].shape)}: vLLM loads it and corrupts other tenants' "
@@ -44,10 +45,10 @@ def nonfinite(ctx):
     "error",
     "no module changes the output (every `scale x ||B·A||` is 0: all lora_B or lora_A zero, `lora_alpha` 0)",
 )
-def untrained(ctx):
+def untrained(ctx: AdapterFacts):
     norms = ctx.update_norms
     if norms and all(n < NO_EFFECT for n in norms.values()):
-        alpha = ctx.typed_cfg.lora_alpha if ctx._config[0] is not None and not ctx.cfg.problems else None
+        alpha = ctx.config_fact.value.lora_alpha if ctx.config_fact.known and not ctx.cfg.problems else None
         why = "lora_alpha is 0" if alpha == 0 else "every lora_B (or lora_A) is zero"
         yield Issue(
             f"the adapter changes nothing: {why}, so scale x ||B·A|| is 0 on all {len(norms)} modules; check that "
@@ -57,7 +58,7 @@ def untrained(ctx):
 
 
 @check("values.no_effect", "error", "some modules change nothing (`scale x ||B·A||` = 0) while others do")
-def no_effect(ctx):
+def no_effect(ctx: AdapterFacts):
     norms = ctx.update_norms
     dead = sorted(m for m, n in norms.items() if n < NO_EFFECT)
     if dead and len(dead) < len(norms):
@@ -74,7 +75,7 @@ def no_effect(ctx):
 
 
 @check("values.norm_outlier", "warning", "a module's `‖scale·B·A‖` > 10x the median of its module type")
-def norm_outlier(ctx):
+def norm_outlier(ctx: AdapterFacts):
     groups: dict[str, list[tuple[str, float]]] = {}
     for m in ctx.live():
         n = ctx.update_norms.get(m.peft_module)
@@ -93,8 +94,8 @@ def norm_outlier(ctx):
                     f"{len(items)} layers: check for a diverged layer (lower the learning rate, clip gradients)",
                     f"{ctx.wfile}:{module}",
                 )
-    ctx.report.stats["update_norm_median"] = {k: round(v, 6) for k, v in medians.items()}
-    ctx.report.stats["max_update_norm"] = max(ctx.update_norms.values(), default=0.0)
+    ctx.stats["update_norm_median"] = {k: round(v, 6) for k, v in medians.items()}
+    ctx.stats["max_update_norm"] = max(ctx.update_norms.values(), default=0.0)
 
 
 @check(
@@ -102,7 +103,7 @@ def norm_outlier(ctx):
     "error",
     "file size outside 0.5-2x of the bytes implied by r (+rank_pattern), target_modules and base shapes",
 )
-def size_band(ctx):
+def size_band(ctx: AdapterFacts):
     cfg, base, header = ctx.typed_cfg, ctx.base, ctx.header
     if not cfg.r or cfg.r < 1:  # config.rank reports it; no size follows from it
         return
@@ -118,7 +119,7 @@ def size_band(ctx):
                 params += cfg.rank_for(name) * (shape[0] + shape[1])
     expected = params * per + raw_header(ctx.wfile)[0]
     actual = ctx.wfile.stat().st_size
-    ctx.report.stats["expected_weights_bytes"] = expected
+    ctx.stats["expected_weights_bytes"] = expected
     if params == 0:
         return
     ratio = actual / expected

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pipeline.artifacts.adapter import WEIGHTS_FILE
 from pipeline.serving.vllm import ALLOWED_DTYPES
+from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, check, grouped
 
 
 @check("adapter.missing", "error", "the adapter directory does not exist")
-def adapter_missing(ctx):
+def adapter_missing(ctx: AdapterFacts):
     if not ctx.adapter_dir.is_dir():
         what = (
             "is a file, not an adapter directory: give the directory holding adapter_config.json"
@@ -28,7 +29,7 @@ def adapter_missing(ctx):
     "a symlink or special file (FIFO, socket, device) in the adapter directory: "
     "never read, copied or registered",
 )
-def unsafe_file(ctx):
+def unsafe_file(ctx: AdapterFacts):
     for p, what in ctx.scan.unsafe:
         yield Issue(
             f"{what} in the adapter directory: only regular files are read, copied or registered (a symlink can expose "
@@ -43,7 +44,7 @@ def unsafe_file(ctx):
     "no base checkpoint to validate against (register/run/validate need one)",
     option="require_base",
 )
-def base_missing(ctx):
+def base_missing(ctx: AdapterFacts):
     if ctx.base_dir is None:
         why = ""
         if ctx.manifest_problem:  # the base would have come from the manifest: say why it did not
@@ -60,28 +61,28 @@ def base_missing(ctx):
 @check(
     "base.unreadable", "error", "the base checkpoint cannot be read (no config.json, corrupt shard header)"
 )
-def base_unreadable(ctx):
-    _, err = ctx._base
+def base_unreadable(ctx: AdapterFacts):
+    err = ctx.base_fact.missing
     if err:
         yield Issue(f"{err}: pass --base with the bf16 checkpoint directory", str(ctx.base_dir))
 
 
-def _state(ctx, name):
+def _state(ctx: AdapterFacts, name):
     if not ctx.adapter_dir.is_dir():
         return
-    state, detail = ctx.weights_state
-    if state == name:
-        yield detail
+    ws = ctx.weights_state
+    if ws.state == name:
+        yield ws.detail
 
 
 @check("weights.missing", "error", f"no `{WEIGHTS_FILE}`")
-def weights_missing(ctx):
+def weights_missing(ctx: AdapterFacts):
     for _ in _state(ctx, "missing"):
         yield Issue(f"{WEIGHTS_FILE} is missing: copy it from the training output_dir", str(ctx.adapter_dir))
 
 
 @check("weights.not_file", "error", f"`{WEIGHTS_FILE}` is a directory, symlink or special file")
-def weights_not_file(ctx):
+def weights_not_file(ctx: AdapterFacts):
     for kind in _state(ctx, "not_file"):
         yield Issue(
             f"{WEIGHTS_FILE} is {kind}, not a regular file: copy the real weights file from the training output_dir",
@@ -90,7 +91,7 @@ def weights_not_file(ctx):
 
 
 @check("weights.pickle", "error", "only a pickle weights file (`adapter_model.bin`...): can run code on load")
-def weights_pickle(ctx):
+def weights_pickle(ctx: AdapterFacts):
     for p in _state(ctx, "pickle"):
         yield Issue(
             f"{p} is a pickle file (can run code on load; the pipeline verifies safetensors only): re-save with "
@@ -100,7 +101,7 @@ def weights_pickle(ctx):
 
 
 @check("weights.ambiguous", "error", "both safetensors and a pickle weights file")
-def weights_ambiguous(ctx):
+def weights_ambiguous(ctx: AdapterFacts):
     for p in _state(ctx, "ambiguous"):
         yield Issue(
             f"both {WEIGHTS_FILE} and {p} present: which one loads depends on the loader; delete the pickle file",
@@ -114,7 +115,7 @@ def weights_ambiguous(ctx):
     "the safetensors loader would refuse the file: truncated, not JSON, header too "
     "long, offsets overlapping/gapped/out of bounds, size vs dtype x shape, trailing bytes",
 )
-def weights_header(ctx):
+def weights_header(ctx: AdapterFacts):
     for detail in _state(ctx, "header"):
         yield Issue(f"{detail}; re-copy the file from the training output (or re-save it)", str(ctx.wfile))
     for detail in _state(ctx, "unreadable"):
@@ -122,13 +123,13 @@ def weights_header(ctx):
 
 
 @check("weights.empty", "error", "no tensors in the weights file")
-def weights_empty(ctx):
+def weights_empty(ctx: AdapterFacts):
     for _ in _state(ctx, "empty"):
         yield Issue("no tensors in the weights file: re-save the adapter", str(ctx.wfile))
 
 
 @check("weights.dtype", "error", "a tensor is not bf16/fp16/fp32")
-def weights_dtype(ctx):
+def weights_dtype(ctx: AdapterFacts):
     yield from grouped(
         Issue(
             f"dtype {info.dtype}; vLLM loads bf16/fp16/fp32 LoRA weights: re-save in bf16",
@@ -145,7 +146,7 @@ def weights_dtype(ctx):
     'no `__metadata__` or its `format` is not `pt` (some loaders need `{"format": "pt"}`; publish writes it)',
     severity_doc="warning (error on a published directory)",
 )
-def weights_metadata(ctx):
+def weights_metadata(ctx: AdapterFacts):
     meta = ctx.metadata
     fmt = (meta or {}).get("format")
     if fmt == "pt":

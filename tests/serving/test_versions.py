@@ -15,18 +15,20 @@ from pipeline.serving.versions import CAUSAL_CLASS, RANGES, VL_CLASS, UnknownVll
         ("0.19.2rc1.dev123+gabcdef1", "0.19"),  # the seed fleet's nightly: between 0.19.1 and 0.20.0
         ("0.20.0", "0.20"),
         ("0.20.0rc1.dev5+g1234", "0.20"),
-        ("0.21.0", "0.21-0.25"),
-        ("0.25.1", "0.21-0.25"),
-        ("0.32.0", "0.32-0.33"),
-        ("0.33.0", "0.32-0.33"),
-        (" 0.33.1 ", "0.32-0.33"),
+        ("0.21.0", "0.21-0.26"),
+        ("0.25.1", "0.21-0.26"),
+        ("0.26.0", "0.21-0.26"),
+        ("0.27.1", "0.27"),
+        ("0.32.0", "0.32"),
+        ("0.33.0", "0.33"),
+        (" 0.33.1 ", "0.33"),
     ],
 )
 def test_versions_map_to_their_range(version, name):
     assert rules_for(version).name == name
 
 
-@pytest.mark.parametrize("version", ["0.18.1", "0.26.0", "0.31.9", "0.34.0", "1.0.0", "0.9"])
+@pytest.mark.parametrize("version", ["0.18.1", "0.28.0", "0.31.9", "0.34.0", "1.0.0", "0.9"])
 def test_versions_outside_every_range_are_refused_never_treated_as_newest(version):
     with pytest.raises(
         UnknownVllmVersion, match="outside every version range.*--allow serving.version_unknown"
@@ -75,7 +77,8 @@ def test_rule_table_per_range():
         ("model.language_model.layers.3.mlp.up_proj", VL_CLASS, "0.19.2", "applied"),
         ("model.layers.3.mlp.up_proj", CAUSAL_CLASS, "0.32.0", "applied"),
         ("model.language_model.layers.3.mlp.up_proj", CAUSAL_CLASS, "0.32.0", "applied"),
-        ("mtp.layers.0.mlp.up_proj", VL_CLASS, "0.19.2", "dropped"),
+        ("mtp.layers.0.mlp.up_proj", VL_CLASS, "0.19.2", "ignored"),  # no mtp. rule before 0.32: no module
+        ("mtp.layers.0.mlp.up_proj", VL_CLASS, "0.32.0", "dropped"),
         ("model.visual.blocks.0.attn.qkv", VL_CLASS, "0.19.2", "ignored"),
         ("lm_head", VL_CLASS, "0.19.2", "ignored"),  # no embedding LoRA on 0.19
         ("lm_head", VL_CLASS, "0.33.0", "applied"),
@@ -86,8 +89,17 @@ def test_runtime_target_follows_the_served_class_mapper(module, arch, version, s
 
 
 def test_vl_mapper_names():
-    assert map_module("model.language_model.layers.0.self_attn.q_proj", VL_CLASS) == (
+    r32 = rules_for("0.32.0")
+    assert map_module("model.language_model.layers.0.self_attn.q_proj", VL_CLASS, r32) == (
         "language_model.model.layers.0.self_attn.q_proj"
     )
-    assert map_module("lm_head", VL_CLASS) == "language_model.lm_head"
-    assert map_module("mtp.fc", CAUSAL_CLASS) is None
+    assert map_module("lm_head", VL_CLASS, r32) == "language_model.lm_head"
+    assert map_module("mtp.fc", CAUSAL_CLASS, r32) is None
+
+
+def test_causal_class_on_027_has_no_mapper():
+    """0.27 registers Qwen3_5ForCausalLM without a hf_to_vllm_mapper (qwen3_5.py): only `model.layers.N` keys
+    reach its decoder; the VL-layout keys load and change nothing."""
+    r27 = rules_for("0.27.1")
+    assert runtime_target("model.layers.3.mlp.up_proj", CAUSAL_CLASS, r27).status == "applied"
+    assert runtime_target("model.language_model.layers.3.mlp.up_proj", CAUSAL_CLASS, r27).status == "ignored"

@@ -83,7 +83,7 @@ TRAIN_CASES = [
     ("config.patterns_ignored", ["lora_alpha_pattern={down_proj: 64}"], "pipeline publish"),
     ("fleet.rank_oversized", ["lora_r=1"], "--max-lora-rank 16"),
     ("train.base_model", ["base_model="], "base_model is missing"),
-    ("serving.version_unknown", [], "0.27.1"),
+    ("serving.version_unknown", [], "0.28.0"),
     ("config.embedding_targets", ["lora_target_modules=[q_proj, embed_tokens]"], "embed_tokens"),
     ("train.qlora", ["adapter=qlora"], "4-bit base"),
     ("config.dora", ["peft_use_dora=true"], "peft_use_dora"),
@@ -100,7 +100,7 @@ def test_train_runs_the_validation_rules_before_axolotl(tiny_base, cid, override
     from pipeline.train.preflight import packing_problems
     from pipeline.validate import FleetRules
 
-    version = "0.27.1" if cid == "serving.version_unknown" else "0.19.2"
+    version = "0.28.0" if cid == "serving.version_unknown" else "0.19.2"
     tc = load_training_config(TINY, [f"base_model={tiny_base}", *overrides])
     packing = packing_problems(tc, [])  # no GPU here: the preflight's facts, as `pipeline train` passes them
     findings = training_findings(tc, FleetRules(vllm_version=version), packing=packing)

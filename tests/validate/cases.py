@@ -22,6 +22,9 @@ C = "adapter_config.json"
 P = "base_model.model.model.layers."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _DROP = object()
+# vLLM 0.19's runtime module names (qwen3_5.py packed_modules_mapping with LoRA on): what --lora-target-modules
+# must list there
+RUNTIME_019 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "out_proj", "in_proj_qkv", "in_proj_z"]
 NEW = "0.32.0"  # a fleet version whose rules accept the tiny NVFP4 served checkpoint (Qwen3_5ForCausalLM)
 
 
@@ -242,6 +245,20 @@ def _added_token(d, env):
         }
     )
     (d / "tokenizer.json").write_text(json.dumps(tj))
+
+
+def _without_modules(d: Path, subs) -> None:
+    """The adapter trained without `subs` (config targets and tensors both)."""
+    cfg = json.loads((d / C).read_text())
+    cfg["target_modules"] = [t for t in cfg["target_modules"] if t not in subs]
+    (d / C).write_text(json.dumps(cfg))
+    edit_tensors(d, _drop(lambda k: any(f".{s}." in k for s in subs)))
+
+
+def _gdn_alone(keep: str):
+    """in_proj_qkv and in_proj_z adapted, then one of them dropped on layers 0-2 (config and tensors)."""
+    drop = "in_proj_z" if keep == "in_proj_qkv" else "in_proj_qkv"
+    return lambda d, env: _without_modules(d, (drop,))
 
 
 def _served_vl(env):
@@ -569,8 +586,71 @@ CASES = [
         "keys.fleet_targets",
         "error",
         None,
-        {"lora_target_modules": ["q_proj", "o_proj", "gate_proj", "in_proj_qkv"]},
-        ["down_proj (layers 0-3) is outside the fleet's --lora-target-modules"],
+        {"lora_target_modules": ["q_proj", "o_proj", "gate_proj", "in_proj_qkv"], "vllm_version": "0.25.1"},
+        ["7 of 25 adapted modules are outside the fleet's --lora-target-modules", "down_proj on layers 0-3"],
+        {},
+    ),
+    # -- issue 25.1: --lora-target-modules as each version matches it --
+    # 0.19 matches runtime names only: a fleet started with PEFT names drops q/k/v, gate/up (qkv_proj, gate_up_proj)
+    (
+        "keys.fleet_targets",
+        "error",
+        None,
+        {"lora_target_modules": DEFAULT_TARGETS, "vllm_version": "0.19.2"},
+        ["q_proj (applied through 'qkv_proj')", "runtime module names only", "11 of 25"],
+        {},
+    ),
+    # sibling: on 0.19 the fused name in_proj_qkvz opens nothing (LoRA splits it into in_proj_qkv + in_proj_z)
+    (
+        "keys.fleet_targets",
+        "error",
+        None,
+        {"lora_target_modules": RUNTIME_019[:-2] + ["in_proj_qkvz"], "vllm_version": "0.19.1"},
+        ["in_proj_qkv on layers 0-2", "in_proj_z on layers 0-2"],
+        {},
+    ),
+    # sibling: 0.20 is packed-aware but in_proj_z is its own runtime module: listing in_proj_qkv does not open it
+    (
+        "keys.fleet_targets",
+        "error",
+        None,
+        {"lora_target_modules": [t for t in DEFAULT_TARGETS if t != "in_proj_z"], "vllm_version": "0.20.0"},
+        ["in_proj_z on layers 0-2"],
+        {},
+    ),
+    # -- issue 25.2: in_proj_qkv without in_proj_z crashes the engine at activation --
+    (
+        "keys.gdn_partial",
+        "error",
+        ("dir", _gdn_alone("in_proj_qkv")),
+        {"vllm_version": "0.25.1"},
+        ["in_proj_qkv is adapted without in_proj_z on layers 0-2", "#47639"],
+        {},
+    ),
+    (
+        "keys.gdn_partial",
+        "error",
+        ("dir", _gdn_alone("in_proj_qkv")),
+        {"vllm_version": "0.27.1"},
+        ["0.27"],
+        {},
+    ),
+    # sibling found in 0.32's fix: a missing in_proj_qkv still leaves no slice for in_proj_z (ValueError)
+    (
+        "keys.gdn_partial",
+        "error",
+        ("dir", _gdn_alone("in_proj_z")),
+        {"vllm_version": "0.32.0"},
+        ["in_proj_z is adapted without in_proj_qkv"],
+        {},
+    ),
+    # the fully-sharded skip of 0.19 (a table fact that had no reader)
+    (
+        "keys.fully_sharded",
+        "error",
+        None,
+        {"fully_sharded_loras": True, "vllm_version": "0.19.1"},
+        ["in_proj_qkv", "--fully-sharded-loras"],
         {},
     ),
     # -- served layout and versions (issue 14) --
@@ -620,8 +700,8 @@ CASES = [
         "serving.version_unknown",
         "error",
         None,
-        {"vllm_version": "0.27.0"},
-        ["0.27.0", "--allow serving.version_unknown"],
+        {"vllm_version": "0.28.0"},
+        ["0.28.0", "--allow serving.version_unknown"],
         {},
     ),
     ("serving.version_unknown", "error", None, {"vllm_version": "nightly"}, ["does not parse"], {}),
@@ -642,7 +722,24 @@ CASES = [
         ["Qwen3_5ForCausalLM", "would not start"],
         {},
     ),
-    ("served.nvfp4_gdn_scales", "warning", None, _served_nvfp4("0.19.2rc1.dev123+gabcdef"), ["#38517"], {}),
+    (
+        "served.nvfp4_gdn_scales",
+        "error",
+        None,
+        _served_nvfp4("0.19.2rc1.dev123+gabcdef"),
+        ["#38517", "0.20.0"],
+        {},
+    ),
+    # issue 25.4 siblings: the bug is the base's, so an adapter without in_proj_qkv is refused too, and on
+    # 0.19.1 (a release, not a nightly) the same
+    (
+        "served.nvfp4_gdn_scales",
+        "error",
+        ("dir", lambda d, e: _without_modules(d, ("in_proj_qkv", "in_proj_z"))),
+        _served_nvfp4("0.19.1"),
+        ["every request", "no adapter change"],
+        {},
+    ),
     ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 512}, ["512", "#22782"], {}),
     ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 64}, ["64"], {}),
     (

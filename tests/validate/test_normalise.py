@@ -207,14 +207,17 @@ def test_publish_refuses_an_unknown_fleet_version(tmp_path, monkeypatch, tiny_ba
 def test_binding_differences_name_what_changed():
     from pipeline.validate.publishable import binding_differences
 
+    fleet = FleetRules().profile()
     now = {
         "served": {"revision": "r2", "path": "/s", "config_sha256": "a"},
         "vllm_version": "0.19.2",
+        "fleet": fleet,
         "rules_version": "x",
     }
     bound = {
         "served": {"revision": "r1", "path": "/s", "config_sha256": "a"},
         "vllm_version": "0.19.2",
+        "fleet": fleet,
         "rules_version": "x",
     }
     assert binding_differences(bound, now) == ["served revision r1 -> r2"]
@@ -223,3 +226,69 @@ def test_binding_differences_name_what_changed():
     ]
     assert binding_differences({}, now) == ["the verdict records no binding (validated by an older pipeline)"]
     assert binding_differences(bound | {"served": now["served"]}, now) == []
+    # issue 27.8: the whole fleet profile the rules read is bound, not only the vLLM version
+    assert binding_differences(
+        bound | {"served": now["served"], "fleet": fleet | {"max_lora_rank": 64}}, now
+    ) == ["fleet profile max_lora_rank 64 -> 16"]
+    older = {k: v for k, v in bound.items() if k != "fleet"} | {"served": now["served"]}
+    assert binding_differences(older, now) == [
+        "the verdict records no fleet profile (validated by an older pipeline)"
+    ]
+
+
+def test_publish_refuses_a_verdict_bound_to_another_fleet_profile(tmp_path, monkeypatch, tiny_base):
+    """Issue 27.8: `validate` passes, then `PIPELINE_FLEET__MAX_LORA_RANK=1`: publish re-validates and refuses."""
+    from pipeline.config import load_config
+    from pipeline.errors import CheckFailed
+    from pipeline.release.publish import publish
+
+    cfg = _project(tmp_path, monkeypatch, None)
+    _, reg = _register(cfg, tiny_base, tmp_path, "tight")
+    monkeypatch.setenv("PIPELINE_FLEET__MAX_LORA_RANK", "1")
+    with pytest.raises(CheckFailed) as e:
+        publish(load_config(cfg.source), "tight", version=reg.version)
+    assert "fleet profile max_lora_rank 16 -> 1" in str(e.value) and "config.rank" in str(e.value), str(
+        e.value
+    )
+    assert not list(Path(cfg.volume.path).glob("tight-v*"))
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        # siblings: the fleet's target modules narrowed; the fleet restarted with --fully-sharded-loras on 0.19
+        (
+            {"PIPELINE_FLEET__LORA_TARGET_MODULES": '["qkv_proj", "o_proj"]'},
+            ["fleet profile lora_target_modules None -> ['qkv_proj', 'o_proj']", "keys.fleet_targets"],
+        ),
+        (
+            {"PIPELINE_FLEET__FULLY_SHARDED_LORAS": "true"},
+            ["fully_sharded_loras False -> True", "keys.fully_sharded"],
+        ),
+    ],
+)
+def test_prepare_for_fleet_rechecks_every_fleet_setting(
+    tmp_path,
+    monkeypatch,
+    tiny_base,
+    good_adapter,  # noqa: F811 (fixture)
+    env,
+    words,
+):
+    from pipeline.config import load_config
+    from pipeline.errors import CheckFailed
+    from pipeline.validate import validate_with_config
+    from pipeline.validate.publishable import prepare_for_fleet
+
+    cfg = _project(tmp_path, monkeypatch, None)
+    stage = Path(shutil.copytree(good_adapter, tmp_path / "stage"))
+    rep = validate_with_config(cfg, stage, tiny_base)
+    assert rep.passed
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    tightened = load_config(cfg.source)
+    tightened.base.path = tiny_base
+    with pytest.raises(CheckFailed) as e:
+        prepare_for_fleet(tightened, {"validation.report": json.dumps(rep.to_dict())}, stage)
+    for w in words:
+        assert w in str(e.value), str(e.value)

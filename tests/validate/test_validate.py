@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pipeline.serving.versions import rules_for
 from pipeline.serving.vllm import fleet_applies
 from pipeline.validate import FleetRules, validate_adapter
 from tests.support.helpers import peft_adapter
@@ -147,11 +148,16 @@ def test_file_faults_are_findings_not_tracebacks(adapter, tiny_vl_base, setup, c
 
 def test_fleet_target_filter_follows_vllm_packing():
     # vllm/lora/utils.py is_in_target_modules: a listed child opens its packed parent for all children.
-    assert fleet_applies("k_proj", ["q_proj"])
-    assert fleet_applies("up_proj", ["gate_up_proj"])
-    assert fleet_applies("in_proj_z", ["in_proj_qkv"])
-    assert not fleet_applies("down_proj", ["q_proj", "gate_proj"])
-    assert fleet_applies("down_proj", None)
+    r21, r20 = rules_for("0.21.0"), rules_for("0.20.0")
+    assert fleet_applies("k_proj", ["q_proj"], r21)
+    assert fleet_applies("up_proj", ["gate_up_proj"], r21)
+    assert fleet_applies("in_proj_z", ["in_proj_qkv"], r21)
+    assert not fleet_applies("down_proj", ["q_proj", "gate_proj"], r21)
+    assert fleet_applies("down_proj", None, r21)
+    # 0.20 splits the fused in_proj_qkvz with LoRA on: in_proj_z is its own runtime module (qwen3_5.py
+    # update_packed_mapping), so listing in_proj_qkv does not open it (a sibling found in the sources)
+    assert not fleet_applies("in_proj_z", ["in_proj_qkv"], r20)
+    assert fleet_applies("k_proj", ["q_proj"], r20)
 
 
 def test_resolver_base_is_info_before_publish_rewrites_it(adapter, tiny_vl_base):
@@ -430,3 +436,34 @@ def test_a_wrong_type_is_one_finding_per_field(adapter, tiny_vl_base, field, val
     edit_config(adapter, **{field: value})
     found = [c for c in validate_adapter(adapter, tiny_vl_base).checks if c.id == "config.type"]
     assert len(found) == 1 and field in found[0].message, [c.message for c in found]
+
+
+@pytest.mark.parametrize(
+    "targets, version",
+    [
+        (
+            ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "out_proj", "in_proj_qkv", "in_proj_z"],
+            "0.19.2",
+        ),
+        (["q_proj", "o_proj", "gate_proj", "down_proj", "out_proj", "in_proj_qkvz"], "0.25.1"),
+        (None, "0.19.1"),
+    ],
+)
+def test_fleet_targets_as_each_version_matches_them_pass(adapter, tiny_vl_base, targets, version):
+    """No false alarm: 0.19 with runtime names, 0.21+ with packed parents or one child of each."""
+    rep = validate_adapter(
+        adapter, tiny_vl_base, FleetRules(lora_target_modules=targets, vllm_version=version)
+    )
+    assert "keys.fleet_targets" not in ids(rep), [c.message for c in rep.checks]
+
+
+@pytest.mark.parametrize(
+    "keep, version", [("in_proj_qkv", "0.32.0"), ("in_proj_qkv", "0.20.0"), ("in_proj_z", "0.19.1")]
+)
+def test_gdn_partial_loads_where_vllm_handles_it(adapter, env, keep, version):
+    from tests.validate.cases import _gdn_alone
+
+    _gdn_alone(keep)(adapter, env)
+    rep = validate_adapter(adapter, env.tiny_vl_base, FleetRules(vllm_version=version))
+    assert "keys.gdn_partial" not in ids(rep)
+    assert rep.passed, [(c.id, c.message) for c in rep.errors]
