@@ -36,6 +36,7 @@ from pipeline.artifacts.adapter import (
 )
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
+from pipeline.artifacts.peft_match import ALL_LINEAR
 from pipeline.artifacts.safetensors import file_metadata, read_safetensors_header, write_safetensors
 from pipeline.errors import CheckFailed
 from pipeline.serving.modules import runtime_target, served_key_prefix
@@ -150,7 +151,9 @@ def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
     `model.language_model.layers.N` for `Qwen3_5ForConditionalGeneration`), in place.
 
     Parity: every tensor's bytes are unchanged, each renamed module keeps its scale (pattern keys naming
-    the old prefix are renamed too) and PEFT's matching targets the same modules. Returns the manifest
+    the old prefix are renamed too, escaped or not) and PEFT's matching targets the same modules
+    (`target_modules` / `exclude_modules` entries renamed; a regex `target_modules`, matched against the
+    whole name, becomes the exact list of the adapter's modules). Returns the manifest
     record, or None when nothing needed renaming. Raises ParityError (nothing written).
     """
     adapter_dir = Path(adapter_dir)
@@ -179,11 +182,29 @@ def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
         raise ParityError(f"{wfile}: renaming {old_prefix}N to {want}N would collide with keys already there")
     cfg = load_adapter_config(adapter_dir)
     raw = json.loads(json.dumps(cfg.raw))
+
+    def moved(text: str) -> str:  # a name or a regex naming the old prefix (escaped or not)
+        return text.replace(old_prefix, want).replace(re.escape(old_prefix), re.escape(want))
+
     for field_name in ("rank_pattern", "alpha_pattern"):
         if isinstance(raw.get(field_name), dict):
-            raw[field_name] = {k.replace(old_prefix, want): v for k, v in raw[field_name].items()}
-    if isinstance(raw.get("target_modules"), list):
-        raw["target_modules"] = [t.replace(old_prefix, want) for t in raw["target_modules"]]
+            raw[field_name] = {moved(k): v for k, v in raw[field_name].items()}
+    targets_before = raw.get("target_modules")
+    if isinstance(targets_before, list):
+        raw["target_modules"] = [moved(t) for t in targets_before]
+    elif isinstance(targets_before, str) and targets_before != ALL_LINEAR:
+        # A regex is matched against the whole name: written for one class, it may match nothing in the other.
+        # The exact equivalent for this adapter is the list of its modules' new names (PEFT: an exact name
+        # targets that module); exclude_modules then has nothing left to exclude.
+        pairs = {
+            (parse_key(n).peft_module, parse_key(renames.get(n, n)).peft_module)
+            for n in tensors
+            if parse_key(n)
+        }
+        raw["target_modules"] = sorted(new for old, new in pairs if cfg.targets(old))
+        raw.pop("exclude_modules", None)
+    if isinstance(raw.get("exclude_modules"), list):
+        raw["exclude_modules"] = [moved(t) for t in raw["exclude_modules"]]
     new_cfg = AdapterConfig(raw, cfg.path)
     bad = []
     for name, new in renames.items():
@@ -210,6 +231,11 @@ def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
     return {
         "from": f"{old_prefix}N",
         "to": f"{want}N",
+        **(
+            {"target_modules": {"before": targets_before, "after": raw["target_modules"]}}
+            if raw.get("target_modules") != targets_before
+            else {}
+        ),
         "architecture": architecture,
         "vllm": rng.name,
         "modules": len(modules),
@@ -309,6 +335,11 @@ def _to_f32(data: bytes, dtype: str):
     if dtype == "F16":
         return raw.view(np.float16).astype(np.float64)
     return raw.view(np.float32).astype(np.float64)
+
+
+# The rewrites `normalise_for_serving` can do, by manifest key (tests cover each: every directory publish
+# writes passes validate).
+NORMALISE_STEPS = ("layout", "patterns", "safetensors_metadata")
 
 
 def normalise_for_serving(adapter_dir: Path, architecture: str | None, rng) -> dict:

@@ -44,8 +44,6 @@ QWEN35_MODULES = {
 EMBEDDING_MODULES = {"embed_tokens", "lm_head", "embedding", "wte"}
 # safetensors dtypes of LoRA weights vLLM loads (bf16/fp16/fp32).
 ALLOWED_DTYPES = {"BF16", "F16", "F32"}
-# init_lora_weights strings that only set the initial adapter (vllm/lora/peft_helper.py _init_is_supported).
-PLAIN_INITS = {"gaussian", "eva", "orthogonal", "mica", "lora_ga"}
 # Quantization algorithms of served checkpoints whose packed shapes the pipeline can unpack.
 KNOWN_QUANT = {
     "NVFP4",

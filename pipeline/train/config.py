@@ -25,7 +25,6 @@ LEGACY_ALLOW = {
     "dora": "config.dora",
     "modules_to_save": "config.modules_to_save",
     "embedding_targets": "config.embedding_targets",
-    "rslora": "config.rslora",
     "rank": "config.rank",
     "qlora": "train.qlora",
     "unpinned_base": "train.unpinned_base",

@@ -12,9 +12,10 @@ import math
 
 from pipeline.artifacts.adapter import pattern_value
 from pipeline.artifacts.peft_match import matching_entries
-from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, PLAIN_INITS, REFUSED_CONFIG_KEYS
+from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, REFUSED_CONFIG_KEYS
 from pipeline.validate.facts import AdapterFacts, Facts, TrainFacts
 from pipeline.validate.lora_view import AXOLOTL_NAMES
+from pipeline.validate.peft_features import lora_config_fields, mutates_base, peft_version, variant_fields
 from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")
@@ -240,42 +241,65 @@ def bias(ctx: Facts):
 @check(
     "config.init",
     "error",
-    "`init_lora_weights` is PiSSA/OLoRA/LoftQ/CorDA (they change the base weights; "
-    "axolotl `peft_init_lora_weights`)",
+    "`init_lora_weights` is an init whose peft method rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ, "
+    "LoRA-GA; derived from peft's LoraLayer: `pipeline.validate.peft_features`)",
     scopes=BOTH,
 )
 def init(ctx: Facts):
     lv = ctx.lora
     v = lv.get("init_lora_weights", True)
-    if isinstance(v, str) and v.lower() not in PLAIN_INITS:
+    method = mutates_base(v)
+    if method:
         fix = (
             f"remove {lv.name('init_lora_weights')} (plain LoRA init)"
             if lv.kind == "train"
-            else "convert it to a plain LoRA with peft's path_initial_model_for_weight_conversion"
+            else "convert it to a plain LoRA with peft's save_pretrained(path_initial_model_for_weight_conversion=...)"
         )
         yield Issue(
-            f"{lv.name('init_lora_weights')} = {v!r} (PiSSA/OLoRA/LoftQ/CorDA change the base weights) is refused "
-            f"by vLLM: {fix}",
+            f"{lv.name('init_lora_weights')} = {v!r}: peft's {method} rewrites the base weights before training, so "
+            "the adapter is relative to a modified base; vLLM serves it on the unmodified base (it drops or refuses "
+            f"the field): {fix}",
             lv.source,
         )
 
 
 @check(
-    "config.rslora", "error", "`use_rslora` (axolotl `peft_use_rslora`); fix: `--fold-rslora`", scopes=BOTH
+    "config.variant",
+    "error",
+    "a PEFT LoRA variant that replaces LoRA's forward (peft LoraConfig fields tagged `is_lora_variant`: VeLoRA, "
+    "MonteCLoRA, Arrow...; DoRA, aLoRA, BD-LoRA have their own ids): vLLM serves plain LoRA",
 )
-def rslora(ctx: Facts):
-    lv = ctx.lora
-    if lv.get("use_rslora"):
-        if lv.kind == "train":
+def variant(ctx: AdapterFacts):
+    own = {f for _, f, _ in REFUSED_CONFIG_KEYS}
+    for f in sorted(variant_fields() - own):
+        value = ctx.cfg.raw.get(f)
+        if value:
             yield Issue(
-                f"{lv.name('use_rslora')}: true; use plain LoRA scaling (alpha/r) for the fleet", lv.source
+                f"{f} = {value!r}: peft runs this LoRA variant instead of plain LoRA (LoraLayer.resolve_lora_variant), "
+                "vLLM drops the field and serves a plain LoRA: served output would differ from training; retrain "
+                "without it",
+                ctx.where_config,
             )
-        else:
+
+
+@check(
+    "config.unknown_field",
+    "error",
+    "a set field the pipeline's peft `LoraConfig` does not declare (e.g. `kasa_config` from another PEFT "
+    "release): vLLM drops it, so what it changes is not served",
+)
+def unknown_field(ctx: AdapterFacts):
+    known = lora_config_fields()
+    if not known:  # peft's source not found: nothing to compare with
+        return
+    for k, value in sorted(ctx.cfg.raw.items()):
+        if k not in known and value not in (None, False, [], {}, ""):
             yield Issue(
-                "use_rslora is set (scale alpha/sqrt(r)); the fleet serves plain alpha/r: normalise with "
-                "`pipeline validate --fold-rslora` (folds the scale into lora_alpha, weights unchanged) or retrain "
-                "without peft_use_rslora",
-                lv.source,
+                f"{k} = {value!r} is not a field of peft {peft_version()}'s LoraConfig (peft/tuners/lora/config.py): "
+                "vLLM's PEFTHelper drops unknown fields, so whatever it changes (a variant that modifies the base, "
+                "like KaSA) is not served; retrain without it, or upgrade the pipeline's peft if it is a plain-LoRA "
+                "setting",
+                ctx.where_config,
             )
 
 
@@ -297,16 +321,22 @@ def target_parameters(ctx: Facts):
         )
 
 
+# Where PEFT finds the decoder of each Qwen3.5 class: `Qwen3_5ForCausalLM` (model.layers.N) and the class of
+# the real checkpoint, `Qwen3_5ForConditionalGeneration` (model.language_model.layers.N; transformers
+# models/qwen3_5/modeling_qwen3_5.py). An adapter may be trained on either.
+PEFT_TEXT_PREFIXES = ("model.", "model.language_model.")
+
+
 def _peft_names(base) -> list[str]:
-    """The base's linear modules as PEFT names them on the text model (model.layers.N.sub, lm_head...)."""
+    """The base's linear modules as PEFT names them on either class (`model.layers.N.sub`,
+    `model.language_model.layers.N.sub`, `lm_head`...): fully qualified or regex `target_modules` written for
+    either class match (ms-swift writes `^(model\\.language_model(?=\\.).*\\.(q_proj|...))$`)."""
     out = []
     for m, info in base.modules.items():
         if len(info.shape) != 2:
             continue
-        if m.startswith("layers."):
-            out.append("model." + m)
-        elif m == "embed_tokens":
-            out.append("model.embed_tokens")
+        if m.startswith("layers.") or m == "embed_tokens":
+            out.extend(p + m for p in PEFT_TEXT_PREFIXES)
         elif m == "lm_head":
             out.append("lm_head")
     return sorted(out)

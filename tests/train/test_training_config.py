@@ -29,7 +29,6 @@ def test_shipped_configs_are_servable(tmp_path):
         ("peft_use_dora=true", "config.dora", "dora"),
         ("lora_modules_to_save=[embed_tokens]", "config.modules_to_save", "modules_to_save"),
         ("lora_target_modules=[q_proj, lm_head]", "config.embedding_targets", "embedding_targets"),
-        ("peft_use_rslora=true", "config.rslora", "rslora"),
         ("lora_r=24", "config.rank", "rank"),
         ("lora_r=32", "config.rank", "rank"),  # above the fleet's max_lora_rank 16
         ("adapter=qlora", "train.qlora", "qlora"),
@@ -57,6 +56,7 @@ TRAIN_CASES = [
     ("config.rank", ["lora_rank_pattern={q_proj: 12}"], "not one of vLLM's ranks"),
     ("config.init", ["peft_init_lora_weights=pissa"], "peft_init_lora_weights = 'pissa'"),
     ("config.init", ["peft_init_lora_weights=olora"], "olora"),
+    ("config.init", ["peft_init_lora_weights=lora_ga"], "lora_ga_init"),
     ("tokenizer.added_tokens", ["special_tokens={eos_token: '<|newtok|>'}"], "<|newtok|>"),
     ("tokenizer.added_tokens", ["tokens=['<my_tool>']"], "<my_tool>"),
     ("train.sample_packing", ["sample_packing=true"], "Gated-DeltaNet"),
@@ -87,7 +87,6 @@ TRAIN_CASES = [
     ("config.embedding_targets", ["lora_target_modules=[q_proj, embed_tokens]"], "embed_tokens"),
     ("train.qlora", ["adapter=qlora"], "4-bit base"),
     ("config.dora", ["peft_use_dora=true"], "peft_use_dora"),
-    ("config.rslora", ["peft_use_rslora=true"], "peft_use_rslora"),
     ("config.modules_to_save", ["lora_modules_to_save=[lm_head]"], "lora_modules_to_save"),
 ]
 

@@ -375,11 +375,32 @@ CASES = [
     ),
     ("config.init", "error", ("config", {"init_lora_weights": "pissa"}), {}, ["pissa", "convert"], {}),
     ("config.init", "error", ("config", {"init_lora_weights": "loftq"}), {}, ["loftq"], {}),
+    # issue 25.5: LoRA-GA rewrites the base (W - scale*B0A0) although vLLM calls it plain; siblings: PiSSA's
+    # prefix form, CorDA; KaSA (a field this peft does not know) and the variants peft tags is_lora_variant
+    (
+        "config.init",
+        "error",
+        ("config", {"init_lora_weights": "lora_ga"}),
+        {},
+        ["lora_ga_init", "modified base"],
+        {},
+    ),
+    ("config.init", "error", ("config", {"init_lora_weights": "pissa_niter_16"}), {}, ["pissa_init"], {}),
+    ("config.init", "error", ("config", {"init_lora_weights": "corda"}), {}, ["corda_init"], {}),
+    (
+        "config.unknown_field",
+        "error",
+        ("config", {"kasa_config": {"svd_rank": 8}}),
+        {},
+        ["kasa_config", "not a field of peft", "drops unknown fields"],
+        {},
+    ),
+    ("config.variant", "error", ("config", {"velora_config": {"num_groups": 2}}), {}, ["velora_config"], {}),
+    ("config.variant", "error", ("config", {"arrow_config": {"top_k": 2}}), {}, ["arrow_config"], {}),
     ("config.lora_bias", "error", ("config", {"lora_bias": True}), {}, ["lora_bias"], {}),
     ("config.alora", "error", ("config", {"alora_invocation_tokens": [1, 2]}), {}, ["aLoRA"], {}),
     ("config.qalora", "error", ("config", {"use_qalora": True}), {}, ["QALoRA"], {}),
     ("config.bdlora", "error", ("config", {"use_bdlora": {"nblocks": 2}}), {}, ["BD-LoRA"], {}),
-    ("config.rslora", "error", ("config", {"use_rslora": True}), {}, ["--fold-rslora", "use_rslora"], {}),
     (
         "config.target_parameters",
         "error",

@@ -292,3 +292,154 @@ def test_prepare_for_fleet_rechecks_every_fleet_setting(
         prepare_for_fleet(tightened, {"validation.report": json.dumps(rep.to_dict())}, stage)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+# -- issue 25.3: no false alarms on adapters for the class the fleet serves, publish's own output included ----------
+VL_PREFIX = "base_model.model.model.language_model.layers."
+VL_REGEX = r"^(model\.language_model(?=\.).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj))$"
+
+
+def _modules(d: Path) -> list[str]:
+    return sorted(
+        {
+            k.rsplit(".lora_", 1)[0].removeprefix("base_model.model.")
+            for k in read_safetensors_header(d / WEIGHTS_FILE)
+        }
+    )
+
+
+def _vl_keyed(good: Path, dst: Path) -> Path:
+    d = Path(shutil.copytree(good, dst))
+    edit_tensors(
+        d, lambda t: {k.replace("base_model.model.model.layers.", VL_PREFIX): v for k, v in t.items()}
+    )
+    return d
+
+
+def _set_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("form", ["qualified", "ms_swift_regex", "rslora", "rslora_patterns"])
+def test_adapters_written_for_the_vl_class_pass(good_adapter, tiny_vl_base, tmp_path, form):  # noqa: F811
+    """PEFT on Qwen3_5ForConditionalGeneration targets all modules with each form, and vLLM applies them."""
+    d = _vl_keyed(good_adapter, tmp_path / "a")
+    if form == "qualified":
+        _set_config(d, target_modules=_modules(d))
+    elif form == "ms_swift_regex":
+        _set_config(d, target_modules=VL_REGEX)
+    elif form == "rslora":  # vllm/lora/peft_helper.py applies alpha/sqrt(r) on every version read
+        _set_config(d, use_rslora=True)
+    else:
+        _set_config(d, use_rslora=True, alpha_pattern={"down_proj": 64})
+    for version in ("0.19.2", "0.32.0"):
+        rep = validate_adapter(d, tiny_vl_base, FleetRules(served_path=tiny_vl_base, vllm_version=version))
+        errors = [(c.id, c.message) for c in rep.errors]
+        assert rep.passed, (version, errors)
+        if form != "rslora_patterns":
+            assert not rep.warnings, [(c.id, c.message) for c in rep.warnings]
+
+
+def _needs(step: str, good: Path, tmp: Path) -> Path:
+    """An adapter directory that publish must rewrite with `step` (and the siblings that rewrite must handle)."""
+    d = (
+        _vl_keyed(good, tmp / step)
+        if step in ("safetensors_metadata", "base_model")
+        else Path(shutil.copytree(good, tmp / step))
+    )
+    if step == "layout":  # text-layout keys with fully qualified targets, escaped pattern keys
+        _set_config(
+            d,
+            target_modules=_modules(d),
+            alpha_pattern={r"model\.layers\.0\.mlp\.down_proj": 16},
+            exclude_modules=["model.layers.3.mlp.nonexistent"],
+        )
+    elif step == "layout_regex":  # a regex matched against the whole (text-layout) name
+        _set_config(d, target_modules=r"model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.[a-z_]+")
+    elif step == "patterns":
+        _set_config(d, alpha_pattern={"down_proj": 160}, rank_pattern={"model.layers.3.self_attn.q_proj": 8})
+    elif step == "safetensors_metadata":
+        edit_tensors(d, lambda t: t, metadata=None)
+    return d
+
+
+REWRITES = {
+    "base_model": "base_model",
+    "layout": "layout",
+    "layout_regex": "layout",
+    "patterns": "patterns",
+    "safetensors_metadata": "safetensors_metadata",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REWRITES))
+def test_every_directory_publish_writes_passes_validate(
+    good_adapter,  # noqa: F811 (fixture)
+    tiny_vl_base,
+    tiny_base,
+    tmp_path,
+    case,
+):
+    """Every rewrite publish does (`normalise_for_serving`'s steps and `rewrite_base_model`), on the input that
+    needs it: the result, marked published (so fixable problems are errors), passes validate against the same
+    fleet profile with no warning."""
+    from pipeline.artifacts.normalise import NORMALISE_STEPS, rewrite_base_model
+
+    assert set(REWRITES.values()) == {*NORMALISE_STEPS, "base_model"}, (
+        "a new publish rewrite needs a case here"
+    )
+    d = _needs(case, good_adapter, tmp_path)
+    rules = FleetRules(served_path=tiny_vl_base, vllm_version="0.19.2")
+    if case == "base_model":  # resolver mode: the directory must name the `vllm serve` model exactly
+        rules = FleetRules(
+            served_path=tiny_vl_base, vllm_version="0.19.2", loading_mode="resolver", served_model="m"
+        )
+        assert rewrite_base_model(d, "m") != "m"
+    done = normalise_for_serving(d, VL_CLASS, rules_for(rules.vllm_version))
+    assert case == "base_model" or REWRITES[case] in done, done
+    (d / "manifest.json").write_text(json.dumps({"files": {}, "published": {"name": "x", "version": 1}}))
+    for base in (tiny_vl_base, tiny_base):
+        rep = validate_adapter(d, base, rules)
+        assert rep.passed and not rep.warnings, [
+            (c.id, c.severity, c.message) for c in rep.checks if c.severity != "info"
+        ]
+
+
+def test_publish_output_with_every_rewrite_passes_validate(tmp_path, monkeypatch, tiny_base, tiny_vl_base):
+    """Issue 25.3 done-when, through the real publish: text-layout keys with fully qualified targets, a rank
+    pattern the fleet ignores, no safetensors metadata, resolver mode (base_model_name_or_path rewritten)."""
+    from pipeline import registry
+    from pipeline.config import load_config
+    from pipeline.release.publish import publish
+    from pipeline.validate import validate_with_config
+    from tests.support.registry_support import adapter_with_manifest
+
+    root = tmp_path / "p"
+    root.mkdir()
+    path = write_project_config(
+        root,
+        fleet={"vllm_version": "0.19.2", "loading_mode": "resolver"},
+        served={"path": str(tiny_vl_base), "model": "Qwen/Qwen3.6-27B-NVFP4"},
+    )
+    monkeypatch.setenv("PIPELINE_CONFIG", str(path))
+    cfg = load_config(path)
+    a = adapter_with_manifest(tiny_base, tmp_path / "all", seed=3, name="all")
+    _set_config(a, target_modules=_modules(a), alpha_pattern={"down_proj": 160})
+    edit_tensors(a, lambda t: t, metadata=None)
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+
+    man = json.loads((a / MANIFEST).read_text())
+    man["files"] = file_hashes(a)
+    write_json_atomic(a / MANIFEST, man)
+    rep = validate_with_config(cfg, a, tiny_base)
+    assert rep.passed, [(c.id, c.message) for c in rep.errors]
+    reg = registry.register_adapter(cfg, a, "all", rep.to_dict())
+    pub = publish(cfg, "all", version=reg.version)
+    assert set(json.loads((pub.path / MANIFEST).read_text())["normalised"]) == {"layout", "patterns"}
+    again = validate_adapter(pub.path, tiny_base, FleetRules.from_config(cfg))
+    assert again.passed and not again.warnings, [
+        (c.id, c.message) for c in again.checks if c.severity != "info"
+    ]
