@@ -130,3 +130,33 @@ def test_cuda_without_gpu_and_a_failed_build_leave_out_as_it_was(tmp_path, monke
         build_real_base(out, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
     assert [p.name for p in out.iterdir()] == ["config.json"]
+
+
+def test_served_base_from_a_real_base(tmp_path):
+    """`pipeline dev served-base` on an 8-layer real-layout build (6 Gated-DeltaNet + 2 full attention + MTP),
+    the shape the GPU run quantizes at full width: modelopt on CPU here (tests/merge/test_quantize.py has the rest)."""
+    pytest.importorskip("modelopt", reason="nvidia-modelopt is a dev dependency")
+    from pipeline.artifacts.checkpoint import read_checkpoint
+    from pipeline.cli import app
+
+    src = build_real_base(
+        tmp_path / "b", 8, text_overrides=SMALL_TEXT, vision_overrides=SMALL_VISION, shard_gb=0.004
+    )
+    out = tmp_path / "served"
+    r = CliRunner().invoke(
+        app, ["dev", "served-base", str(src), str(out), "--device", "cpu", "--shard-gb", "0.002"]
+    )
+    assert r.exit_code == 0, r.output
+    ck = read_checkpoint(out)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["kind"] == "served-checkpoint" and man["quantization"]["mtp_tensors"] == 15
+    assert ck.config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and ck.layout == "vl"
+    packed = {m.rsplit(".", 1)[-1] for m, t in ck.modules.items() if t.dtype == "U8"}
+    assert packed == {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"} | {
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    assert sum(1 for m in ck.modules if m.endswith("in_proj_qkv")) == 6
+    assert not any(n.startswith("model.visual.") for n in ck.tensors)
+    assert (out / "model.safetensors.index.json").is_file() and (out / "preprocessor_config.json").is_file()
