@@ -265,6 +265,12 @@ class CanarySection(_Section):
     min_acceptance_ratio: float | None = Field(
         None, ge=0, description="floor of adapter/base mean acceptance length; None: not gated"
     )
+    min_effect_retention: float | None = Field(
+        None,
+        ge=0,
+        description="floor of the adapter's teacher-forced shift on the engine / on the PEFT reference "
+        "(pipeline.canary.effect); None: not gated",
+    )
     required: bool = Field(
         False, description="publish refuses a version without a passing canary for its weights"
     )

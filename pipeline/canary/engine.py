@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import tempfile
 import time
 import uuid
@@ -13,6 +14,7 @@ from pipeline import registry
 from pipeline.artifacts.adapter import WEIGHTS_FILE, adapter_tensors, parse_key
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.canary import prom
+from pipeline.canary.effect import measure
 from pipeline.canary.prompts import Prompt, canary_set, load_tokenizer
 from pipeline.canary.record import record
 from pipeline.canary.reference import Reference, trained_rank_copy
@@ -44,12 +46,35 @@ def _generate(client, model: str, prompt: Prompt, max_tokens: int, top: int) -> 
     return EngineOutput(tokens, tops), n
 
 
+def _scrape(client) -> tuple[dict[str, float], dict[str, float]]:
+    """(flat counters, accepted tokens per draft position) from one /metrics read."""
+    text = client.metrics_text()
+    return prom.counters(text), prom.by_label(text, prom.SPEC_ACCEPTED_PER_POS, "position")
+
+
+def _settled(client, before: dict[str, float], n_tokens: int, wait_s: float = 2.0):
+    """The scrape after a pass, once the engine's generation counter holds the pass's tokens.
+
+    The API server records an engine step's stats as it hands out the step's outputs; a scrape can
+    run just before the last step of the pass is counted (then its tokens land in the next pass).
+    Polls for at most `wait_s`.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        after, per_pos = _scrape(client)
+        done = after.get(prom.GENERATION_TOKENS, 0.0) - before.get(prom.GENERATION_TOKENS, 0.0) >= n_tokens
+        if done or prom.GENERATION_TOKENS not in after or time.monotonic() > deadline:
+            return after, per_pos
+        time.sleep(0.1)
+
+
 def _pass(
     client, model: str, prompts: list[Prompt], max_tokens: int, top: int
 ) -> tuple[list[EngineOutput], Speed]:
     """One warm-up request (not measured), then every prompt in turn between two /metrics scrapes."""
-    _generate(client, model, prompts[0], 2, top)
-    before = prom.counters(client.metrics_text())
+    start, _ = _scrape(client)
+    _, warm = _generate(client, model, prompts[0], 2, top)
+    before, pos_before = _settled(client, start, warm)
     t0 = time.perf_counter()
     outs, n_tokens = [], 0
     for p in prompts:
@@ -57,13 +82,17 @@ def _pass(
         outs.append(o)
         n_tokens += n
     wall = time.perf_counter() - t0
-    d = prom.delta(before, prom.counters(client.metrics_text()))
+    after, pos_after = _settled(client, before, n_tokens)
+    d = prom.delta(before, after)
 
     def get(k):
         return d.get(k)
 
     drafts, draft_toks, acc = get(prom.SPEC_DRAFTS), get(prom.SPEC_DRAFT_TOKENS), get(prom.SPEC_ACCEPTED)
     tpot_n = get(prom.TPOT_COUNT)
+    per_pos = None
+    if drafts and pos_after:
+        per_pos = [(pos_after[k] - pos_before.get(k, 0.0)) / drafts for k in sorted(pos_after, key=int)]
     speed = Speed(
         requests=len(prompts),
         output_tokens=n_tokens,
@@ -75,8 +104,23 @@ def _pass(
         tpot_s=(get(prom.TPOT_SUM) / tpot_n) if tpot_n else None,
         wall_s_per_token=wall / max(n_tokens, 1),
         other_traffic=(get(prom.GENERATION_TOKENS) or 0) > n_tokens,
+        acceptance_per_position=per_pos,
     )
     return outs, speed
+
+
+def _teacher_forced(
+    client, model: str, prompts: list[Prompt], continuations: list[list[int]]
+) -> list[list[float]]:
+    """Per prompt, the engine's log-probs of `continuations[i]` under `model` (nats; NaN where none came)."""
+    rows = []
+    for p, y in zip(prompts, continuations, strict=True):
+        if not y:
+            rows.append([])
+            continue
+        lp = client.prompt_logprobs(model, p.ids + y)[len(p.ids) :]
+        rows.append([math.nan if v is None else v for v in lp])
+    return rows
 
 
 def served_info(cfg: ProjectConfig, client) -> dict:
@@ -99,10 +143,16 @@ def served_info(cfg: ProjectConfig, client) -> dict:
 
 
 def _quantized(cfg: ProjectConfig, engine_root: str | None) -> bool:
-    """`canary.quantized`, else whether the served checkpoint's config declares a quantization."""
+    """`canary.quantized`, else whether the checkpoint the STAGING engine serves declares a quantization.
+
+    The engine's own root (`/v1/models`, a local directory on a staging host) decides; the fleet
+    profile's `served.path` only when the root cannot be read here. (Reading `served.path` first
+    called a bf16 staging engine quantized whenever the fleet serves NVFP4, and widened its tolerance.)
+    """
     if cfg.canary.quantized is not None:
         return cfg.canary.quantized
-    for d in (cfg.served.path, Path(engine_root) if engine_root else None):
+    root = Path(engine_root) if engine_root and Path(engine_root).is_dir() else None
+    for d in (root,) if root else (cfg.served.path,):
         if d is None or not Path(d).is_dir():
             continue
         if (Path(d) / "hf_quant_config.json").exists():
@@ -160,7 +210,10 @@ def run_canary(
     prompts, notes = canary_set(tok, files, c.prompts)
     name = f"canary-{uuid.uuid4().hex[:12]}"
     unloaded = True
-    with InstanceClient(inst, c.timeout_s) as client:
+    with (
+        tempfile.TemporaryDirectory(prefix="canary-ref-") as work,
+        InstanceClient(inst, c.timeout_s) as client,
+    ):
         served = served_info(cfg, client)
         if served["engine_model"] != cfg.served_base_name:
             notes.append(
@@ -178,6 +231,17 @@ def run_canary(
             prompts = kept
         if not prompts:
             raise UsageError(f"no canary prompt fits the staging max_model_len {limit}")
+        # the reference first: an unloadable one fails the canary before the staging engine is touched,
+        # and its own greedy continuations are what the effect measure scores on the engine
+        ref_dir, rank_notes = trained_rank_copy(adapter_dir, Path(work))
+        try:
+            ref = Reference(base_dir, ref_dir, c.reference_dtype)
+        except Exception as e:  # noqa: BLE001 - any load failure of transformers/peft
+            raise CanaryError(
+                f"cannot load the PEFT reference (base {base_dir}, adapter {adapter_dir}): "
+                f"{type(e).__name__}: {e}; pass --base with a transformers-loadable checkpoint"
+            ) from e
+        ref_greedy = [ref.greedy(p.ids, c.max_tokens) for p in prompts]
         try:
             try:
                 client.load(name, instance_path or str(adapter_dir))
@@ -190,6 +254,18 @@ def run_canary(
                 client, served["engine_model"], prompts, c.max_tokens, c.top_logprobs
             )
             ad_out, ad_speed = _pass(client, name, prompts, c.max_tokens, c.top_logprobs)
+            # after both speed passes: the reference adapter's own continuation scored by the engine
+            # with and without the adapter (canary.effect)
+            try:
+                eng_scores = (
+                    _teacher_forced(client, name, prompts, ref_greedy),
+                    _teacher_forced(client, served["engine_model"], prompts, ref_greedy),
+                )
+            except InstanceError as e:
+                eng_scores = None
+                notes.append(
+                    f"teacher-forced scoring (prompt_logprobs) failed on staging: {e}; effect not measured"
+                )
         finally:
             if not unloaded:
                 try:
@@ -198,21 +274,20 @@ def run_canary(
                 except InstanceError as e:
                     notes.append(f"could not unload the temporary adapter {name!r}: {e}")
 
-    with tempfile.TemporaryDirectory(prefix="canary-ref-") as work:
-        ref_dir, rank_notes = trained_rank_copy(adapter_dir, Path(work))
-        try:
-            ref = Reference(base_dir, ref_dir, c.reference_dtype)
-        except Exception as e:  # noqa: BLE001 - any load failure of transformers/peft
-            raise CanaryError(
-                f"cannot load the PEFT reference (base {base_dir}, adapter {adapter_dir}): "
-                f"{type(e).__name__}: {e}; pass --base with a transformers-loadable checkpoint"
-            ) from e
         scores = {}
         for key, outs, with_adapter in (("base", base_out, False), ("adapter", ad_out, True)):
             scores[key] = [
                 ref.score(p.ids, o.tokens, [list(t) for t in o.top], with_adapter) if o.tokens else []
                 for p, o in zip(prompts, outs, strict=True)
             ]
+        effect = None
+        if eng_scores is not None:
+            effect = measure(
+                *eng_scores,
+                [ref.token_logprobs(p.ids, y, True) for p, y in zip(prompts, ref_greedy, strict=True)],
+                [ref.token_logprobs(p.ids, y, False) for p, y in zip(prompts, ref_greedy, strict=True)],
+            )
+        del ref
     parity = {
         k: compare(prompts, o, scores[k], c.tie_margin) for k, o in (("base", base_out), ("adapter", ad_out))
     }
@@ -249,6 +324,7 @@ def run_canary(
         time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         seconds=0.0,
         unloaded=unloaded,
+        effect=effect,
     )
     judge(cfg, res, rank_notes, outside)
     res.seconds = round(time.time() - t0, 2)

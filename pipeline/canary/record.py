@@ -21,6 +21,10 @@ def _r(x: float | None, n: int = 4) -> str:
     return "" if x is None else str(round(x, n))
 
 
+def _positions(rates: list[float] | None) -> str:
+    return "" if not rates else ",".join(str(round(x, 4)) for x in rates)
+
+
 def summary_tags(res: CanaryResult) -> dict[str, str]:
     """The model-version tags of a canary result (`canary.*`); empty values are left out."""
     b, a = res.parity["base"], res.parity["adapter"]
@@ -49,7 +53,18 @@ def summary_tags(res: CanaryResult) -> dict[str, str]:
         "speed_ratio": _r(res.speed_ratio),
         "acceptance_ratio": _r(res.acceptance_ratio),
         "problems": " | ".join(res.problems)[:4900],
+        "acceptance_per_position": _positions(sa.acceptance_per_position),
+        "base_acceptance_per_position": _positions(sb.acceptance_per_position),
     }
+    if res.effect is not None:
+        e = res.effect
+        tags.update(
+            effect_retention=_r(e.retention),
+            effect_nats=_r(e.engine_nats),
+            reference_effect_nats=_r(e.reference_nats),
+            effect_correlation=_r(e.correlation),
+            base_gap_nats=_r(e.base_gap_nats),
+        )
     return {TAG + k: v for k, v in tags.items() if v != ""}
 
 
@@ -105,6 +120,7 @@ def show(tags: dict) -> dict | None:
         "base_acceptance_length",
         "speed_ratio",
         "acceptance_ratio",
+        "effect_retention",
         "weights_sha256",
     )
     return {k: tags.get(TAG + k) for k in keys}

@@ -105,6 +105,36 @@ class Reference:
         # would load none of its tensors: pipeline.artifacts.peft_model), straight onto the device
         self.model = load_peft(base_dir, adapter_dir, dtype, self.device)
 
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """The reference's own greedy continuation (adapter on) of `prompt`: up to `max_tokens` ids.
+
+        One token at a time by full forward passes (no cache: the same computation as `score`), so
+        greedy decoding here and teacher forcing in `score` agree exactly; stops after the EOS id.
+        """
+        import torch
+
+        cfg = self.model.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+        seq = list(prompt)
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                logits = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, -1]
+                seq.append(int(logits.float().argmax()))
+                if seq[-1] in eos:
+                    break
+        return seq[len(prompt) :]
+
+    def token_logprobs(self, prompt: list[int], tokens: list[int], adapter: bool) -> list[float]:
+        """log p(tokens[j] | prompt + tokens[:j]) for every j, with or without the adapter (nats)."""
+        if not tokens:
+            return []
+        return [
+            s.logprobs[t]
+            for s, t in zip(self.score(prompt, tokens, [[] for _ in tokens], adapter), tokens, strict=True)
+        ]
+
     def score(
         self, prompt: list[int], generated: list[int], query: list[list[int]], adapter: bool
     ) -> list[PositionScore]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from pipeline.canary.effect import Effect
 from pipeline.canary.prompts import Prompt
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed
@@ -51,6 +52,8 @@ class Speed:
     tpot_s: float | None  # mean per-request time per output token, seconds (engine histogram)
     wall_s_per_token: float  # client wall time / output tokens, seconds (includes prefill and HTTP)
     other_traffic: bool  # the engine generated more tokens than these requests did
+    # per draft position k: accepted at k / drafts (k = 0 .. num_speculative_tokens - 1)
+    acceptance_per_position: list[float] | None = None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class CanaryResult:
     time: str
     seconds: float
     unloaded: bool = True
+    effect: Effect | None = None  # the adapter's teacher-forced shift, engine vs reference (canary.effect)
 
     @property
     def problems(self) -> list[str]:
@@ -236,6 +240,23 @@ def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside:
                 where,
             )
         )
+
+    eff = res.effect
+    if c.min_effect_retention is not None and eff is not None and eff.retention is not None:
+        if eff.retention < c.min_effect_retention:
+            res.findings.append(
+                Finding(
+                    "canary.effect",
+                    "error",
+                    f"the adapter's effect does not survive the served base: its continuation gains "
+                    f"{eff.engine_nats:.3f} nats/token on the engine against {eff.reference_nats:.3f} with PEFT on "
+                    f"the bf16 base (retention {eff.retention:.2f}, below canary.min_effect_retention "
+                    f"{c.min_effect_retention}; the base alone differs by {eff.base_gap_nats:.3f} nats/token): "
+                    f"the quantized base or the engine's LoRA path loses the adapter; compare with a bf16 staging "
+                    f"engine, or merge and quantize the adapter (pipeline merge)",
+                    where,
+                )
+            )
 
 
 def _ms(s: float | None) -> str:

@@ -64,6 +64,13 @@ def render(res, fmt: Output = Output.table, no_headers: bool = False) -> None:
         f"tolerance {res.tolerance}  prompts {len(res.prompts)}  served "
         f"{res.served.get('checkpoint')}@{res.served.get('revision') or '-'} (vLLM {res.served.get('vllm_version')})"
     )
+    if res.effect is not None:
+        e = res.effect
+        typer.echo(
+            f"adapter effect (teacher-forced, nats/token): engine {e.engine_nats:.3f}, PEFT reference "
+            f"{e.reference_nats:.3f}, retention {_fmt(e.retention, '.2f')}, correlation {_fmt(e.correlation, '.2f')}, "
+            f"base gap {e.base_gap_nats:.3f} ({e.positions} tokens)"
+        )
     for n in res.notes:
         typer.echo(f"note: {n}")
     for p in res.problems:

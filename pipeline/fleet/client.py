@@ -162,6 +162,29 @@ class InstanceClient:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **params}
         return self._request("POST", "/v1/completions", json=body).json()
 
+    def prompt_logprobs(self, model: str, ids: list[int]) -> list[float | None]:
+        """Teacher-forced log-probabilities of `ids` under `model`: element j is log p(ids[j] | ids[:j]) (nats).
+
+        Element 0 is None (no context). One completion request with `prompt_logprobs: 0` and
+        `max_tokens: 1` (vLLM returns, per prompt position, `{token id: {"logprob", "rank", ...}}`
+        holding the prompt's own token; -inf comes back as -9999.0:
+        `vllm/entrypoints/openai/completion/protocol.py`, `generate/base/serving.py`
+        `clamp_prompt_logprobs`, 0.25.1; the same in 0.32). Such requests do not read the prefix
+        cache (`sampling_params.py`: `skip_reading_prefix_cache`), so they are computed afresh.
+        """
+        reply = self.completion(model, ids, 1, prompt_logprobs=0)
+        rows = reply["choices"][0].get("prompt_logprobs") or []
+        if len(rows) != len(ids):
+            raise InstanceError(
+                f"{self.instance.name} ({self.instance.url}): prompt_logprobs of {model} has {len(rows)} "
+                f"entries for {len(ids)} prompt tokens"
+            )
+        out: list[float | None] = []
+        for tok, row in zip(ids, rows, strict=True):
+            entry = (row or {}).get(str(tok))
+            out.append(None if entry is None else float(entry["logprob"]))
+        return out
+
     def metrics_text(self) -> str:
         """The Prometheus text of `GET /metrics` (vLLM's counters and histograms)."""
         return self._request("GET", "/metrics").text

@@ -142,6 +142,14 @@ def test_good_adapter_passes_parity_and_reads_spec_decode(staging):
         assert 1.0 <= s.mean_acceptance_length <= 1 + SPEC["num_speculative_tokens"]
         assert s.tpot_s > 0 and s.output_tokens == 12 * len(res.prompts) and not s.other_traffic
     assert res.speed_ratio > 0 and res.acceptance_ratio > 0
+    for k in ("base", "adapter"):  # ngram k=3: three draft positions, acceptance falling with depth
+        per_pos = res.speed[k].acceptance_per_position
+        assert len(per_pos) == 3 and all(0 <= x <= 1 for x in per_pos), per_pos
+        assert sum(per_pos) == pytest.approx(res.speed[k].accepted_tokens / res.speed[k].drafts)
+    # the adapter's teacher-forced shift is the same on the exact (float32) engine as with PEFT
+    e = res.effect
+    assert e.positions == 12 * len(res.prompts) and e.reference_nats > 0.5
+    assert e.retention == pytest.approx(1.0, abs=0.01) and e.correlation > 0.99 and e.base_gap_nats < 1e-3
     assert not res.engine_adapter_equals_base
     assert {"tool:ask", "tool:sql", "tool:result"} <= set(res.prompts)
     assert any(p.startswith("agent_chat_validation.jsonl:") for p in res.prompts)
@@ -163,6 +171,8 @@ def test_config_rank_disagreeing_with_tensors_fails_parity(staging):
 def test_modules_outside_lora_target_modules_are_served_as_base(staging):
     res = canary(staging, staging.outside)
     assert res.verdict == "fail" and res.engine_adapter_equals_base
+    # the adapter's own continuation gains with PEFT, and nothing on the engine that serves it as the base
+    assert res.effect.reference_nats > 0.5 and res.effect.engine_nats == 0.0 and res.effect.retention == 0.0
     msg = res.problems[0]
     assert (
         "serves the adapter as the base" in msg
@@ -229,7 +239,7 @@ def test_cli_records_on_the_version_status_shows_it_and_publish_gates(staging, m
     rows = {v["version"]: v for v in json.loads(r.output)["models"][0]["versions"]}
     assert rows[good]["canary"]["verdict"] == "pass" and rows[outside]["canary"]["verdict"] == "fail"
     assert rows[untested]["canary"] is None
-    assert "canary" in cli("status", "agent").output
+    assert "CANARY" in cli("status", "agent").output.splitlines()[0]  # the column (cli/render.py headers)
 
     # the gate: a failed canary always blocks; a missing one blocks when required
     r = cli("publish", "agent", "--version", str(outside))

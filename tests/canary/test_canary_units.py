@@ -143,3 +143,102 @@ def test_staging_url_is_checked_before_any_request(url, tmp_path):
     with pytest.raises(UsageError, match="--staging: .*(http|range)"):
         staging_instance(cfg, url)
     assert staging_instance(cfg, "http://127.0.0.1:8000/").url == "http://127.0.0.1:8000"
+
+
+PER_POS = """\
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/m",position="1"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/m",position="2"} 5.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="1056",cache_dtype="fp8",engine="0"} 1.0
+"""
+
+
+def test_per_position_acceptance_and_info_labels():
+    """vLLM 0.25.1's SpecDecodingProm counts accepted tokens per draft position (label `position`)."""
+    from pipeline.canary import prom
+
+    text = METRICS + PER_POS
+    assert prom.by_label(text, prom.SPEC_ACCEPTED_PER_POS, "position") == {"0": 9.0, "1": 7.0, "2": 5.0}
+    assert prom.counters(text)[prom.SPEC_ACCEPTED_PER_POS] == 21.0  # the flat sum equals the total accepted
+    assert prom.info_label(text, "vllm:cache_config_info", "block_size") == "1056"
+    assert prom.info_label(METRICS, "vllm:cache_config_info", "block_size") is None
+
+
+def test_effect_retention_correlation_and_gaps():
+    from pipeline.canary.effect import measure
+
+    ref_base = [[-5.0, -6.0, -4.0], [-7.0]]
+    ref_ad = [[-1.0, -2.0, -3.0], [-1.0]]  # shifts 4, 4, 1 | 6
+    eng_base = [[-5.5, -6.5, -4.5], [-7.5]]  # the served base is 0.5 nats/token off
+    eng_ad = [[-3.5, -4.5, -4.0], [-4.5]]  # shifts 2, 2, 0.5 | 3: half of the reference's
+    e = measure(eng_ad, eng_base, ref_ad, ref_base)
+    assert (
+        e.positions == 4
+        and e.reference_nats == pytest.approx(15 / 4)
+        and e.engine_nats == pytest.approx(7.5 / 4)
+    )
+    assert e.retention == pytest.approx(0.5) and e.correlation == pytest.approx(1.0)
+    assert e.base_gap_nats == pytest.approx(0.5) and e.adapter_gap_nats == pytest.approx(
+        (2.5 + 2.5 + 1 + 3.5) / 4
+    )
+    # vLLM's clamped -inf (-9999) and missing values drop the position; no effect -> no retention
+    e = measure([[-9999.0, -1.0]], [[-1.0, -1.0]], [[-1.0, float("nan")]], [[-1.0, -1.0]])
+    assert e is None
+    e = measure([[-1.0, -2.0]], [[-1.0, -2.0]], [[-1.0, -2.01]], [[-1.0, -2.0]])
+    assert e.retention is None and e.reference_nats == pytest.approx(-0.005)
+    with pytest.raises(ValueError, match="different lengths"):
+        measure([[-1.0]], [[-1.0, -2.0]], [[-1.0]], [[-1.0]])
+
+
+@pytest.mark.parametrize(
+    "retention, floor, verdict", [(0.9, 0.8, "pass"), (0.5, 0.8, "fail"), (0.5, None, "pass")]
+)
+def test_effect_floor(retention, floor, verdict):
+    from pipeline.canary import judge
+    from pipeline.canary.effect import Effect
+    from pipeline.config import ProjectConfig
+
+    res = _result(1.0, 0.0, 1.0, 0.0, True)
+    res.effect = Effect(40, 2.0, 2.0 * retention, retention, 0.9, 0.3, 0.4)
+    cfg = ProjectConfig()
+    cfg.canary.min_effect_retention = floor
+    judge(cfg, res, [], [])
+    assert res.verdict == verdict, res.problems
+    if verdict == "fail":
+        assert res.findings[0].id == "canary.effect" and "retention 0.50" in res.problems[0]
+
+
+def test_effect_and_positions_are_tagged():
+    from pipeline.canary.effect import Effect
+    from pipeline.canary.record import summary_tags
+
+    res = _result(1.0, 0.0, 1.0, 0.0, True)
+    res.speed["adapter"].acceptance_per_position = [0.9, 0.75, 0.5]
+    res.effect = Effect(40, 2.0, 1.9, 0.95, 0.8, 0.3, 0.4)
+    tags = summary_tags(res)
+    assert tags["canary.acceptance_per_position"] == "0.9,0.75,0.5"
+    assert tags["canary.effect_retention"] == "0.95" and tags["canary.reference_effect_nats"] == "2.0"
+
+
+def test_quantized_is_what_the_staging_engine_serves(tmp_path):
+    """A bf16 staging engine next to an NVFP4 fleet profile: the staging root decides (it was called
+    quantized because served.path was read first, which widened the parity tolerance)."""
+    from pipeline.canary.engine import _quantized
+    from pipeline.config import ProjectConfig
+
+    nvfp4, bf16 = tmp_path / "nvfp4", tmp_path / "bf16"
+    for d in (nvfp4, bf16):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    (nvfp4 / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    cfg = ProjectConfig()
+    cfg.served.path = nvfp4
+    assert _quantized(cfg, str(bf16)) is False
+    assert _quantized(cfg, str(nvfp4)) is True
+    assert _quantized(cfg, "Qwen/Qwen3.6-27B-NVFP4") is True  # not readable here: the fleet profile's
+    cfg.canary.quantized = False
+    assert _quantized(cfg, str(nvfp4)) is False
