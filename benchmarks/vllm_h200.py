@@ -1,0 +1,1359 @@
+"""The fleet's own kind of engine on one H200: vLLM 0.25.1, ModelOpt NVFP4 + MTP, hot-loaded LoRA, via `pipeline`.
+
+    python benchmarks/vllm_h200.py run main  --work DIR --out DIR [--deadline-s 500]   # call 1 (scripts/gpu/vllm_call.sh)
+    python benchmarks/vllm_h200.py run sweep --work DIR --out DIR [--deadline-s 500]   # call 2: settings that change speed
+    python benchmarks/vllm_h200.py run smoke --work DIR --out DIR [--attach NAME=URL ...] [--adapters D1 D2]
+    python benchmarks/vllm_h200.py argv [--plan main] [--check PYTHON]   # every engine's command line; --check
+                                                                          # parses each with that vLLM's own parser
+    python benchmarks/vllm_h200.py record OUT [--into benchmarks/results/vllm_h200.json]
+
+Plan `main` (one device call of <= 9 minutes on a fresh H200 whose bundles are unpacked):
+
+| stage | what | proves |
+|---|---|---|
+| host | GPU, versions, read-only bind mount of the volume at /loras | what ran; whether `remount,ro` held |
+| base | `pipeline dev real-base --layers 8 --device cuda` | Qwen3.6-27B geometry (6 GDN + 2 full attention + MTP) |
+| mtp | `benchmarks/mtp_distill.py`: the MTP layer trained ~1 min on the base's own greedy output | drafts can agree with the target |
+| launch | `pipeline train` x2 (v1, v2), `pipeline dev served-base` (NVFP4), staging engine (bf16 base, fp32) | |
+| served / train | fleet engines a, b on the NVFP4 checkpoint with the fleet's flags; adapters | |
+| register | `pipeline validate --served`, `pipeline register` v1, v2 | the NVFP4 index accepts the adapter |
+| canary_parity | `pipeline canary` on the bf16 base served in float32 (`--no-record`) | CUDA LoRA path == PEFT |
+| publish | `pipeline publish` v1: both instances load, verify, canary | a publish both instances confirmed |
+| decode | tok/s at batch 1 and 8, base vs adapter, MTP acceptance, on instance a | the 161 vs ~90 ratio here |
+| publish2 | `pipeline publish` v2, `pipeline rollback` to v1, `fleet status` | the release path on GPU |
+| stale_kv | in-place re-point vs the versioned swap, a prompt of > 1 KV block | 0.25's prefix-cache key (name only) |
+| canary_served | `pipeline canary` on instance a (NVFP4), recorded on v1 | effect retention, acceptance, TPOT |
+| merged | `pipeline merge --quantize nvfp4`, its own engine, `pipeline merge-parity` (issue 29.3) | merged vs hot-loaded |
+| staging_bf16 | bf16 base served in bf16 with the fleet's other flags: canary + decode | precision of the fleet's dtype |
+| record | `OUT/vllm_h200.json` | the issue's "Done when" record |
+
+Every stage writes `OUT/stages/<stage>.json` when it ends (ok, seconds, result or error), and a
+stage that would not finish before `--deadline-s` is skipped, so a call killed at its limit still
+returns what is done; `record` runs last in any case. Engines log to `WORK/logs/<name>.log`; CLI
+calls are listed with their wall time in `OUT/cli.jsonl`.
+
+Plan `smoke` runs the same stage functions on this machine's CPU vLLM (`.fleet-venv`, 0.32) with a
+tiny VL base and ngram speculation (no NVFP4: the CPU build serves none; no bind mount): it is the
+test that the GPU call does not fail for a typo (`tests/fleet/test_vllm_h200_smoke.py` runs it
+against the suite's running instances with `--attach`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipeline.canary import prom  # noqa: E402
+
+NAME = "agent"
+SPEC_MTP = {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+MOUNT = "/loras"
+PORTS = {"fleet-a": 8101, "fleet-b": 8102, "staging": 8103, "staging-bf16": 8104, "merged": 8105}
+SWEEP_PORTS = {"rank16": 8111, "rank64": 8112, "graphs-off": 8113, "loras1": 8114, "loras4": 8115}
+FIELD_REPORT = {"base_tok_s": 161.4, "adapter_tok_s": 90.0, "ratio": round(90.0 / 161.4, 3)}
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GIB = 1 << 30
+
+
+# -- engines -------------------------------------------------------------------------------------------------------
+# The fleet's flags (docs/field-report.md; issue 23): NVFP4 through ModelOpt, text only, runtime LoRA of
+# rank <= 16, MTP with 3 speculative tokens, FP8 KV cache, prefix caching and chunked prefill.
+def fleet_flags(rank: int = 16, max_loras: int = 2) -> list[str]:
+    return [
+        "--quantization", "modelopt", "--language-model-only", "--enable-lora", "--max-lora-rank", str(rank),
+        "--max-loras", str(max_loras), "--max-cpu-loras", "8",
+        "--speculative-config", json.dumps(SPEC_MTP), "--kv-cache-dtype", "fp8",
+        "--enable-prefix-caching", "--enable-chunked-prefill",
+    ]  # fmt: skip
+
+
+# Two or more engines share the one GPU: each gets a fixed KV cache (`--kv-cache-memory-bytes`, which
+# skips vLLM's profiling-based sizing; profiling is unreliable while a neighbour starts on the same GPU,
+# vllm/v1/worker/gpu_worker.py determine_available_memory) and a small `--gpu-memory-utilization`, which
+# vLLM then only checks against the free memory at start-up (v1/worker/utils.py request_memory).
+def share_flags(kv_gib: float = 2.0, util: float = 0.10) -> list[str]:
+    return ["--gpu-memory-utilization", str(util), "--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
+
+
+COMMON = ["--max-model-len", "16384", "--max-num-seqs", "8", "--seed", "0"]
+
+
+@dataclass
+class Engine:
+    name: str
+    model: Path
+    args: list[str]
+    served_name: str | None = None
+    port: int = 0
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    started: float = 0.0
+    ready_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model_id(self) -> str:
+        return self.served_name or str(self.model)
+
+
+def gpu_engines(work: Path) -> dict[str, Engine]:
+    """The engines of plan `main`, by name (paths under `work`)."""
+    nvfp4, bf16 = work / "real8-nvfp4", work / "real8"
+    return {
+        "fleet-a": Engine("fleet-a", nvfp4, fleet_flags() + share_flags(), "real8-nvfp4"),
+        "fleet-b": Engine("fleet-b", nvfp4, fleet_flags() + share_flags(), "real8-nvfp4"),
+        # the PEFT-parity staging engine: the bf16 base computed in float32 (the reference's precision;
+        # bf16 logits on random weights flip near-ties), eager (no compile: it only has to be exact)
+        "staging": Engine(
+            "staging",
+            bf16,
+            [
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--language-model-only",
+                "--enable-lora",
+                "--max-lora-rank",
+                "16",
+                "--max-loras",
+                "2",
+                "--speculative-config",
+                json.dumps(SPEC_MTP),
+                "--enable-prefix-caching",
+                "--enable-chunked-prefill",
+            ]
+            + share_flags(),
+        ),  # fmt: skip
+        # the fleet's flags without the quantization: the bf16 base in the fleet's own dtype
+        "staging-bf16": Engine(
+            "staging-bf16",
+            bf16,
+            [a for a in fleet_flags() if a not in ("--quantization", "modelopt")] + share_flags(),
+        ),
+        "merged": Engine("merged", work / "merged-v1", fleet_flags() + share_flags(), "merged-v1"),
+    }
+
+
+def sweep_engines(work: Path) -> dict[str, Engine]:
+    """Plan `sweep`: the fleet engine with one setting changed each (the same NVFP4 checkpoint)."""
+    nvfp4 = work / "real8-nvfp4"
+
+    def e(name, flags):
+        return Engine(name, nvfp4, flags + share_flags(), "real8-nvfp4")
+
+    return {
+        "rank16": e("rank16", fleet_flags(16)),
+        "rank64": e("rank64", fleet_flags(64)),
+        "graphs-off": e(
+            "graphs-off", fleet_flags() + ["--compilation-config", json.dumps({"cudagraph_mode": "NONE"})]
+        ),
+        "loras1": e("loras1", fleet_flags(max_loras=1)),
+        "loras4": e("loras4", fleet_flags(max_loras=4)),
+    }
+
+
+def smoke_engines(work: Path) -> dict[str, Engine]:
+    """Plan `smoke` on the CPU build (flags of tests/support/fleet_server.py SERVE_ARGS + ngram speculation)."""
+    cpu = ["--dtype", "bfloat16", "--max-num-seqs", "1", "--enforce-eager", "--enable-lora", "--max-lora-rank",
+           "16", "--max-loras", "2", "--max-cpu-loras", "8", "--speculative-config", json.dumps(SPEC_NGRAM)]  # fmt: skip
+    base = work / "real8"
+    return {
+        "fleet-a": Engine("fleet-a", base, cpu + ["--max-model-len", "2048"]),
+        "fleet-b": Engine("fleet-b", base, cpu + ["--max-model-len", "2048"]),
+    }
+
+
+# -- the run context -----------------------------------------------------------------------------------------------
+@dataclass
+class Ctx:
+    plan: str
+    work: Path
+    out: Path
+    deadline_s: float
+    gpu: bool
+    t0: float = field(default_factory=time.time)
+    engines: dict[str, Engine] = field(default_factory=dict)
+    bg: dict[str, tuple[subprocess.Popen, Path, float]] = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)  # what stages hand on (adapter dirs, versions, mount ...)
+    adapters_given: list[Path] | None = None
+    attach: dict[str, str] | None = None  # NAME=URL: running instances instead of engines started here
+
+    @property
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return self.deadline_s - self.elapsed
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed:6.1f}s] {msg}", flush=True)
+
+    # environments ------------------------------------------------------------------------------------------------
+    def pipeline_env(self) -> dict:
+        """The environment of every `pipeline` / helper process.
+
+        GPU: the training bundle (`$TRAIN_SITE`, scripts/gpu/bundle.sh) and the checkout, then
+        `$EXTRA_SITE` (e.g. nvidia-modelopt's wheels, scripts/gpu/modelopt-requirements.txt) if set,
+        behind a shim that makes `import fla` fail (`WORK/nofla`): transformers then takes its torch
+        Gated-DeltaNet path (`use_kernel_func_from_hub_with_fallback` falls back on any import
+        error; axolotl's Qwen3.5 patch guards its fla imports the same way). On a fresh H200, fla's
+        tilelang kernels compile for ~100 s in the first process that runs them (benchmarks/results/
+        axolotl_h200_call1_log.txt: 107 s vs 7 s of train runtime); here every such process is short
+        (8-layer training, calibration, the canary's float32 reference, whose precision fla's
+        kernels do not give), so the compile would be most of the call. Throughput with fla is
+        measured in benchmarks/axolotl_h200.py.
+        """
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                   AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled", PIPELINE_CONFIG=str(self.project / "pipeline.yaml"),
+                   **NCCL_ENV)  # fmt: skip
+        if self.gpu:
+            site = os.environ.get("TRAIN_SITE", "/tmp/site")
+            parts = [str(self.nofla()), site, str(REPO)] + (
+                [os.environ["EXTRA_SITE"]] if os.environ.get("EXTRA_SITE") else []
+            )
+            env["PYTHONPATH"] = ":".join(parts)
+            env["PATH"] = f"{site}/bin:{env.get('PATH', '')}"
+        else:
+            env["PYTHONPATH"] = str(REPO)
+        return env
+
+    def nofla(self) -> Path:
+        d = self.work / "nofla" / "fla"
+        if not (d / "__init__.py").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "__init__.py").write_text(
+                'raise ImportError("fla is disabled in this process by benchmarks/vllm_h200.py (torch Gated-DeltaNet path)")\n'
+            )
+        return d.parent
+
+    def common(self) -> list[str]:
+        return COMMON if self.gpu else ["--seed", "0"]
+
+    def pipeline_cmd(self) -> list[str]:
+        return [sys.executable, "-m", "pipeline"]
+
+    def vllm_cmd(self) -> list[str]:
+        if self.gpu:
+            return ["python3", "-m", "vllm.entrypoints.cli.main", "serve"]
+        return [
+            str(REPO / ".fleet-venv" / "bin" / "python"),
+            str(REPO / "tests/support/vllm_cpu_launcher.py"),
+            "serve",
+        ]
+
+    def vllm_env(self, engine: Engine) -> dict:
+        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", **NCCL_ENV)  # fmt: skip
+        env.pop("PYTHONPATH", None)
+        if self.gpu:
+            env["PYTHONPATH"] = os.environ.get("VLLM_SITE", "/tmp/vsite")
+            # one torch.compile / Triton cache for every engine and restart on this machine
+            env["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT", "/tmp/vllm-cache")
+        else:
+            env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1")
+        return env
+
+    @property
+    def project(self) -> Path:
+        return self.work / "project"
+
+    # subprocesses ------------------------------------------------------------------------------------------------
+    def cli(self, *args, timeout: float = 300, check: bool = True) -> dict:
+        """`pipeline ARGS --json` in the project; returns {rc, wall_s, json|stdout, stderr tail}."""
+        cmd = [*self.pipeline_cmd(), *map(str, args)]
+        t = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=self.pipeline_env(), cwd=REPO,
+                               timeout=min(timeout, max(5.0, self.left() + 30)))  # fmt: skip
+            rc, so, se = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, so, se = (
+                "timeout",
+                (e.stdout or b"").decode(errors="replace")
+                if isinstance(e.stdout, bytes)
+                else (e.stdout or ""),
+                "",
+            )
+        rec = {"cmd": " ".join(cmd[2:]), "rc": rc, "wall_s": round(time.time() - t, 2), "stderr": se[-3000:]}
+        try:
+            rec["json"] = json.loads(so[so.index("{") :]) if "{" in so else None
+        except ValueError:
+            rec["json"] = None
+        if rec["json"] is None:
+            rec["stdout"] = so[-3000:]
+        with open(self.out / "cli.jsonl", "a") as f:
+            f.write(
+                json.dumps({k: v for k, v in rec.items() if k != "json"} | {"at_s": round(self.elapsed, 1)})
+                + "\n"
+            )
+        self.log(f"pipeline {' '.join(map(str, args))[:120]} -> rc {rc} in {rec['wall_s']} s")
+        if check and rc != 0:
+            raise RuntimeError(f"pipeline {' '.join(map(str, args))} exited {rc}: {(se or so)[-1500:]}")
+        return rec
+
+    def start_bg(self, name: str, cmd: list[str], env: dict | None = None) -> None:
+        """Start `cmd` in its own process group: stderr to WORK/logs/NAME.log, stdout to WORK/logs/NAME.out."""
+        log, out = self.work / "logs" / f"{name}.log", self.work / "logs" / f"{name}.out"
+        with open(log, "w") as f, open(out, "w") as o:
+            f.write(" ".join(map(str, cmd)) + "\n")
+            f.flush()
+            proc = subprocess.Popen(list(map(str, cmd)), stdout=o, stderr=f, cwd=REPO,
+                                    env=env or self.pipeline_env(), start_new_session=True)  # fmt: skip
+        self.bg[name] = (proc, log, time.time())
+        self._pid(proc)
+        self.log(f"started {name} (pid {proc.pid})")
+
+    def bg_json(self, name: str) -> dict:
+        """The JSON object a background `pipeline ... --json` printed on stdout ({} if none)."""
+        text = (self.work / "logs" / f"{name}.out").read_text(errors="replace")
+        try:
+            return json.loads(text[text.index("{") :]) if "{" in text else {}
+        except ValueError:
+            return {}
+
+    def wait_bg(self, name: str, timeout: float) -> dict:
+        proc, log, t = self.bg[name]
+        try:
+            rc = proc.wait(timeout=max(1.0, min(timeout, self.left())))
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            rc = "timeout"
+        tail = log.read_text(errors="replace").splitlines()[-40:]
+        res = {"rc": rc, "wall_s": round(time.time() - t, 1), "log_tail": tail}
+        self.log(f"{name}: rc {rc} after {res['wall_s']} s")
+        if rc != 0:
+            raise RuntimeError(f"{name} exited {rc}:\n" + "\n".join(tail[-25:]))
+        return res
+
+    # engines -----------------------------------------------------------------------------------------------------
+    def start_engine(self, e: Engine, port: int) -> Engine:
+        if e.name in self.engines and self.engines[e.name].proc is not None:
+            return self.engines[e.name]
+        e.port = port
+        cmd = [
+            *self.vllm_cmd(),
+            str(e.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *self.common(),
+            *e.args,
+        ]
+        if e.served_name:
+            cmd += ["--served-model-name", e.served_name]
+        log = self.work / "logs" / f"{e.name}.log"
+        with open(log, "w") as f:
+            f.write(" ".join(cmd) + "\n")
+            f.flush()
+            e.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.vllm_env(e), cwd=self.work,
+                                      start_new_session=True)  # fmt: skip
+        e.started = time.time()
+        self._pid(e.proc)
+        self.engines[e.name] = e
+        self.log(f"engine {e.name} starting on :{port} ({e.model.name})")
+        return e
+
+    def wait_engine(self, name: str, timeout: float) -> Engine:
+        e = self.engines[name]
+        if e.ready_s is not None:
+            return e
+        limit = time.time() + max(1.0, min(timeout, self.left()))
+        while time.time() < limit:
+            if e.proc is not None and e.proc.poll() is not None:
+                raise RuntimeError(f"engine {name} exited {e.proc.returncode}:\n{engine_tail(self, name)}")
+            try:
+                if httpx.get(f"{e.url}/health", timeout=2).status_code == 200:
+                    e.ready_s = round(time.time() - e.started, 1)
+                    self.log(f"engine {name} ready after {e.ready_s} s")
+                    return e
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"engine {name} not ready after {timeout:.0f} s:\n{engine_tail(self, name)}")
+
+    def _pid(self, proc: subprocess.Popen) -> None:
+        """Process groups this run started (scripts/gpu/vllm_call.sh ends those a killed call left)."""
+        with open(self.work / "pids", "a") as f:
+            f.write(f"{proc.pid}\n")
+
+    def stop_all(self) -> None:
+        for e in self.engines.values():
+            if e.proc is not None and e.proc.poll() is None:
+                _kill(e.proc)
+        for proc, _, _ in self.bg.values():
+            if proc.poll() is None:
+                _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group (vLLM's API server, engine core and workers), SIGKILL after 20 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def engine_tail(ctx: Ctx, name: str, n: int = 40) -> str:
+    p = ctx.work / "logs" / f"{name}.log"
+    return "\n".join(p.read_text(errors="replace").splitlines()[-n:]) if p.exists() else "(no log)"
+
+
+# -- HTTP helpers --------------------------------------------------------------------------------------------------
+def complete(url: str, model: str, prompt, max_tokens: int, **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    if r.status_code >= 400:
+        raise RuntimeError(f"{url} {model}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def greedy_ids(url: str, model: str, prompt, max_tokens: int) -> list[int]:
+    ch = complete(url, model, prompt, max_tokens, logprobs=1, return_tokens_as_token_ids=True)["choices"][0]
+    return [int(t.split(":", 1)[1]) for t in ch["logprobs"]["tokens"]]
+
+
+def metrics(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def lora(url: str, action: str, **body) -> None:
+    r = httpx.post(f"{url}/v1/{action}_lora_adapter", json=body, timeout=300)
+    if r.status_code >= 400:
+        raise RuntimeError(f"{url} {action} {body}: HTTP {r.status_code}: {r.text[:500]}")
+
+
+def served_adapters(url: str) -> dict[str, str]:
+    data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    return {c["id"]: c.get("root") for c in data if c.get("parent")}
+
+
+def random_prompts(n: int, length: int, vocab: int = 1024, seed: int = 0) -> list[list[int]]:
+    """`n` distinct prompts of random token ids (no shared prefix: the prefix cache does not help)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _spec(before: dict, after: dict, pos_before: dict, pos_after: dict) -> dict:
+    d = prom.delta(before, after)
+    drafts, dt_, acc = d.get(prom.SPEC_DRAFTS), d.get(prom.SPEC_DRAFT_TOKENS), d.get(prom.SPEC_ACCEPTED)
+    tpot_n = d.get(prom.TPOT_COUNT)
+    return {
+        "acceptance_length": round(1 + acc / drafts, 4) if drafts else None,
+        "acceptance_rate": round(acc / dt_, 4) if dt_ else None,
+        "acceptance_per_position": [
+            round((pos_after[k] - pos_before.get(k, 0.0)) / drafts, 4) for k in sorted(pos_after, key=int)
+        ]
+        if drafts and pos_after
+        else None,
+        "tpot_ms": round(1000 * d[prom.TPOT_SUM] / tpot_n, 3) if tpot_n else None,
+        "generation_tokens": d.get(prom.GENERATION_TOKENS),
+    }
+
+
+def _scrape(url: str) -> tuple[dict, dict]:
+    text = metrics(url)
+    return prom.counters(text), prom.by_label(text, prom.SPEC_ACCEPTED_PER_POS, "position")
+
+
+def decode(url: str, model: str, batch: int, max_tokens: int, prompt_len: int = 48, seed: int = 1) -> dict:
+    """Decode speed of `model` with `batch` concurrent greedy requests of `max_tokens` (EOS ignored).
+
+    tok_s: generated tokens / client wall time of the batch (prefill of `prompt_len` tokens included);
+    per_request_tok_s: 1 / the engine's mean time per output token (decode only); MTP figures from the
+    /metrics difference around the batch (the engine serves nothing else meanwhile).
+    """
+    prompts = random_prompts(batch, prompt_len, seed=seed)
+    complete(url, model, prompts[0], 8, ignore_eos=True)  # warm-up: CUDA graphs, LoRA slot
+    before, pb = _scrape(url)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        replies = list(pool.map(lambda p: complete(url, model, p, max_tokens, ignore_eos=True), prompts))
+    wall = time.perf_counter() - t
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    deadline = time.monotonic() + 3
+    while True:  # the last step's stats reach /metrics as its outputs are handed out
+        after, pa = _scrape(url)
+        if (
+            after.get(prom.GENERATION_TOKENS, 0) - before.get(prom.GENERATION_TOKENS, 0) >= tokens
+            or time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.1)
+    s = _spec(before, after, pb, pa)
+    return {
+        "model": model,
+        "batch": batch,
+        "max_tokens": max_tokens,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 1),
+        "per_request_tok_s": round(1000 / s["tpot_ms"], 1) if s["tpot_ms"] else None,
+        **s,
+    }
+
+
+def decode_table(url: str, base: str, adapter: str, batches=(1, 8), max_tokens: int = 256) -> dict:
+    rows = [decode(url, m, b, max_tokens) for m in (base, adapter) for b in batches]
+    by = {(r["model"], r["batch"]): r for r in rows}
+    b1 = batches[0]
+    ratio = by[(adapter, b1)]["tok_s"] / by[(base, b1)]["tok_s"]
+    return {
+        "rows": rows,
+        "tok_s": {
+            "base": {str(b): by[(base, b)]["tok_s"] for b in batches},
+            "adapter": {str(b): by[(adapter, b)]["tok_s"] for b in batches},
+        },
+        "acceptance_length": {
+            "base": {str(b): by[(base, b)]["acceptance_length"] for b in batches},
+            "adapter": {str(b): by[(adapter, b)]["acceptance_length"] for b in batches},
+        },
+        "ratio_adapter_over_base": {
+            str(b): round(by[(adapter, b)]["tok_s"] / by[(base, b)]["tok_s"], 3) for b in batches
+        },
+        "field_report": FIELD_REPORT | {"ratio_here_batch1": round(ratio, 3)},
+    }
+
+
+# -- stages --------------------------------------------------------------------------------------------------------
+def st_host(ctx: Ctx) -> dict:
+    vol = ctx.work / "volume"
+    vol.mkdir(parents=True, exist_ok=True)
+    (ctx.work / "logs").mkdir(exist_ok=True)
+    res: dict = {"plan": ctx.plan, "work": str(ctx.work)}
+    if ctx.gpu:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True)  # fmt: skip
+        res["gpu"] = q.stdout.strip()
+        v = subprocess.run(["python3", "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, "
+                            "transformers.__version__)"], capture_output=True, text=True, env=ctx.vllm_env(Engine("x", vol, [])),
+                           timeout=120)  # fmt: skip
+        res["vllm_torch_transformers"] = (v.stdout.strip() or v.stderr[-800:]).split()
+        if v.returncode == 0:
+            ctx.facts["vllm_version"] = res["vllm_torch_transformers"][0]
+        m = subprocess.run([sys.executable, "-c", "import modelopt; print(modelopt.__version__)"], capture_output=True,
+                           text=True, env=ctx.pipeline_env(), timeout=120)  # fmt: skip
+        res["modelopt"] = m.stdout.strip() or m.stderr[-400:]
+        res["mount"] = bind_ro(vol, Path(MOUNT))
+    else:
+        res["vllm"] = "cpu build (.fleet-venv)"
+        res["mount"] = {
+            "held": False,
+            "why": "smoke: no bind mount on the development machine",
+            "mount": str(vol),
+        }
+    ctx.facts["mount"] = res["mount"]["mount"]
+    return res
+
+
+def bind_ro(src: Path, dst: Path) -> dict:
+    """`mount --bind SRC DST` + `mount -o remount,bind,ro DST`; whether a write below DST then fails."""
+    out = {"source": str(src)}
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mountpoint", "-q", str(dst)]).returncode == 0:  # an earlier call on this machine
+            subprocess.run(["umount", str(dst)], capture_output=True)
+        for cmd in (["mount", "--bind", str(src), str(dst)], ["mount", "-o", "remount,bind,ro", str(dst)]):
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            if p.returncode:
+                raise OSError(f"{' '.join(cmd)}: {p.stderr.strip() or p.returncode}")
+        try:
+            (dst / ".probe").write_text("x")
+            (dst / ".probe").unlink()
+            return out | {
+                "held": False,
+                "why": "a write below the read-only bind succeeded",
+                "mount": str(dst),
+            }
+        except OSError as e:
+            return out | {"held": True, "write_error": f"{type(e).__name__}: {e}", "mount": str(dst)}
+    except OSError as e:  # no mount: the instances read the volume where the pipeline writes it
+        return out | {"held": False, "why": str(e), "mount": str(src)}
+
+
+def st_base(ctx: Ctx) -> dict:
+    base = ctx.work / "real8"
+    if ctx.attach:  # the attached instances serve their own base: use it
+        root = _attached_root(ctx)
+        if base.is_symlink() or base.exists():
+            base.unlink() if base.is_symlink() else shutil.rmtree(base)
+        base.symlink_to(root)
+        return {"base": root, "attached": True}
+    if (base / ".done").exists():
+        return {"base": str(base), "reused": True}
+    if ctx.gpu:
+        r = ctx.cli("dev", "real-base", base, "--layers", "8", "--device", "cuda", timeout=240)
+    else:
+        r = ctx.cli("dev", "tiny-base", base, timeout=120)  # the CPU test fleet's base (text layout, no MTP)
+    (base / ".done").touch()
+    return {"base": str(base), "wall_s": r["wall_s"], "size_gb": round(_du(base) / 1e9, 2)}
+
+
+def _attached_root(ctx: Ctx) -> str:
+    url = ctx.attach["fleet-a"]
+    data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    return next(c for c in data if c.get("parent") is None)["root"]
+
+
+def st_mtp(ctx: Ctx) -> dict:
+    base = ctx.work / "real8"
+    done = ctx.work / "mtp.json"
+    if ctx.attach or not (base / "model.safetensors.index.json").exists():
+        return {"skipped": "no MTP layer to train (attached instances or a text-layout base)"}
+    if done.exists():
+        return json.loads(done.read_text()) | {"reused": True}
+    args = ["--budget-s", "60"] if ctx.gpu else ["--device", "cpu", "--budget-s", "8", "--prompts", "8",
+                                                   "--prompt-len", "16", "--new-tokens", "12"]  # fmt: skip
+    ctx.start_bg("mtp", [sys.executable, REPO / "benchmarks" / "mtp_distill.py", base, "--json", done, *args])
+    ctx.wait_bg("mtp", 200)
+    return json.loads(done.read_text())
+
+
+def _train_cmd(ctx: Ctx, version: int) -> list:
+    """`pipeline train` of the shipped Qwen3.6-27B config on the 8-layer base: short, seeds and rates per version."""
+    data = REPO / "datasets" / "agent_chat_train.jsonl"
+    ds = json.dumps([{"path": str(data), "ds_type": "json", "type": "chat_template", "field_messages": "messages",
+                      "roles_to_train": ["assistant"]}])  # fmt: skip
+    lr, seed = {1: (3e-4, 1), 2: (2e-4, 2)}[version]
+    if ctx.gpu:
+        cfg, sets = "axolotl_configs/qwen3.6-27b-lora.yml", [
+            f"base_model={ctx.work / 'real8'}", "base_model_revision=null", "sequence_len=2048",
+            "max_steps=40", "micro_batch_size=2", "gradient_accumulation_steps=1", f"learning_rate={lr}",
+            f"seed={seed}", "warmup_ratio=0.0", "lora_mlp_kernel=false", "lora_qkv_kernel=false",
+            "lora_o_kernel=false", "eval_strategy='no'", "save_strategy='no'", "test_datasets=null",
+            "eval_steps=null", "save_steps=null", f"dataset_prepared_path={ctx.work / f'prepared{version}'}",
+            f"datasets={ds}",
+        ]  # fmt: skip
+    else:
+        cfg, sets = "axolotl_configs/tiny-cpu.yml", [
+            f"base_model={ctx.work / 'real8'}", "max_steps=2", f"seed={seed}",
+            f"dataset_prepared_path={ctx.work / f'prepared{version}'}",
+        ]  # fmt: skip
+    cmd = [*ctx.pipeline_cmd(), "train", cfg, "--name", NAME, "--no-progress", "--json"]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def write_project(ctx: Ctx) -> Path:
+    """pipeline.yaml naming the two fleet instances, the NVFP4 checkpoint they serve and the bf16 base."""
+    import yaml
+
+    p = ctx.project
+    p.mkdir(parents=True, exist_ok=True)
+    eng = ctx.engines
+    served = ctx.work / ("real8-nvfp4" if ctx.gpu else "real8")
+    a, b = (eng.get(n) for n in ("fleet-a", "fleet-b"))
+    cfg = {
+        "state_dir": str(p / "state"),
+        "base": {"model": str(ctx.work / "real8"), "path": str(ctx.work / "real8")},
+        "served": {
+            "checkpoint": "real8-nvfp4" if ctx.gpu else "tiny-vl",
+            "revision": "vllm_h200",
+            "model": str(served),
+            "path": str(served),
+            **({"served_model_name": "real8-nvfp4"} if ctx.gpu else {}),
+        },
+        "fleet": {
+            "vllm_version": ctx.facts.get("vllm_version", "0.25.1" if ctx.gpu else "0.32.0"),
+            "max_lora_rank": 16,
+            "volume_mount": ctx.facts["mount"],
+            "keep_versions": 2,
+            "timeout_s": 120,
+            "load_timeout_s": 300,
+            "instances": [{"name": x.name, "url": x.url} for x in (a, b) if x is not None],
+        },
+        "volume": {"path": str(ctx.work / "volume")},
+        "train": {"runs_dir": str(ctx.work / "runs")},
+        "canary": {
+            "staging_dir": str(ctx.work / "canary"),
+            "timeout_s": 300,
+            **({} if ctx.gpu else {"prompts": 2, "max_tokens": 6}),
+        },  # fmt: skip
+    }
+    (p / "pipeline.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return p / "pipeline.yaml"
+
+
+def st_launch(ctx: Ctx) -> dict:
+    """Start what takes long, in parallel: two trainings, the NVFP4 build, the parity staging engine."""
+    if ctx.attach:
+        for n, url in ctx.attach.items():
+            e = Engine(n, Path(_attached_root(ctx)), [], port=int(url.rsplit(":", 1)[1]))
+            e.ready_s = 0.0
+            ctx.engines[n] = e
+        ctx.facts["vllm_version"] = httpx.get(f"{ctx.attach['fleet-a']}/version", timeout=30).json()[
+            "version"
+        ]
+    else:
+        engines = gpu_engines(ctx.work) if ctx.gpu else smoke_engines(ctx.work)
+        for n in ("fleet-a", "fleet-b"):  # ports known now: pipeline.yaml names them before they run
+            ctx.engines[n] = engines[n]
+            ctx.engines[n].port = PORTS[n]
+    write_project(ctx)
+    res = {
+        "project": str(ctx.project / "pipeline.yaml"),
+        "engines": {n: e.url for n, e in ctx.engines.items()},
+    }
+    if not ctx.adapters_given:
+        for v in (1, 2):
+            ctx.start_bg(f"train{v}", _train_cmd(ctx, v))
+    if ctx.gpu:
+        nv = ctx.work / "real8-nvfp4"
+        if not (nv / "hf_quant_config.json").exists():
+            ctx.start_bg(
+                "served-base",
+                [*ctx.pipeline_cmd(), "dev", "served-base", ctx.work / "real8", nv, "--device", "cuda"],
+            )
+        ctx.start_engine(gpu_engines(ctx.work)["staging"], PORTS["staging"])
+    return res
+
+
+def st_served(ctx: Ctx) -> dict:
+    """The NVFP4 checkpoint, then the two fleet engines on it (smoke: the tiny base, CPU engines)."""
+    res = {}
+    if ctx.gpu:
+        if "served-base" in ctx.bg:
+            res["build"] = ctx.wait_bg("served-base", 300)
+        nv = ctx.work / "real8-nvfp4"
+        q = json.loads((nv / "hf_quant_config.json").read_text())
+        res["quantization"] = q.get("quantization", q)
+        res["size_gb"] = round(_du(nv) / 1e9, 2)
+    if not ctx.attach:
+        for n in ("fleet-a", "fleet-b"):
+            ctx.start_engine(ctx.engines[n], PORTS[n])
+    return res
+
+
+def st_train(ctx: Ctx) -> dict:
+    if ctx.adapters_given:
+        ctx.facts["adapters"] = {1: ctx.adapters_given[0], 2: ctx.adapters_given[1]}
+        return {"adapters": [str(a) for a in ctx.adapters_given]}
+    res, ads = {}, {}
+    for v in (1, 2):
+        r = ctx.wait_bg(f"train{v}", 400)
+        out = ctx.bg_json(f"train{v}")
+        if not out.get("adapter"):
+            raise RuntimeError(f"`pipeline train --json` printed no adapter path: {out}")
+        ads[v] = Path(out["adapter"])
+        res[f"v{v}"] = {"adapter": out["adapter"], "wall_s": r["wall_s"], "metrics": out.get("metrics")}
+    ctx.facts["adapters"] = ads
+    if ctx.gpu:  # the merged model for issue 29.3, and the bf16 engine, while the rest runs
+        ctx.start_bg("merge", [*ctx.pipeline_cmd(), "merge", ads[1], "--base", ctx.work / "real8", "--out",
+                               ctx.work / "merged-v1", "--quantize", "nvfp4", "--device", "cuda", "--parity", "off",
+                               "--no-progress", "--json"])  # fmt: skip
+        ctx.start_engine(gpu_engines(ctx.work)["staging-bf16"], PORTS["staging-bf16"])
+    return res
+
+
+def st_register(ctx: Ctx) -> dict:
+    res = {}
+    ads = ctx.facts["adapters"]
+    served = ctx.work / ("real8-nvfp4" if ctx.gpu else "real8")
+    v = ctx.cli("validate", ads[1], "--base", ctx.work / "real8", "--served", served, "--json", check=False)
+    res["validate_served"] = {"rc": v["rc"], "wall_s": v["wall_s"], "report": _short_report(v.get("json"))}
+    versions = {}
+    for k in (1, 2):
+        r = ctx.cli("register", ads[k], "--name", NAME, "--base", ctx.work / "real8", "--json")
+        versions[k] = int((r["json"] or {}).get("version", k))
+    ctx.facts["versions"] = versions
+    res["versions"] = versions
+    return res
+
+
+def _short_report(rep: dict | None) -> dict | None:
+    if not rep:
+        return None
+    keep = ("verdict", "passed", "errors", "warnings", "served", "vllm_version")
+    out = {k: rep[k] for k in keep if k in rep}
+    out["findings"] = [
+        {k: f.get(k) for k in ("id", "severity", "message")}
+        for f in (rep.get("findings") or [])
+        if f.get("severity") in ("error", "warning")
+    ][:20]
+    return out
+
+
+def st_engines(ctx: Ctx) -> dict:
+    res = {}
+    for n in ("staging", "fleet-a", "fleet-b"):
+        if n in ctx.engines:
+            e = ctx.wait_engine(n, 420)
+            res[n] = {"ready_s": e.ready_s, "model": e.model_id, "block_size": _block_size(e.url)}
+    res["vllm_version"] = sorted(
+        {
+            httpx.get(f"{ctx.engines[n].url}/version", timeout=10).json().get("version")
+            for n in ("fleet-a", "fleet-b")
+        }
+    )
+    return res
+
+
+def _block_size(url: str) -> int | None:
+    v = prom.info_label(metrics(url), "vllm:cache_config_info", "block_size")
+    return int(v) if v else None
+
+
+def _canary(ctx: Ctx, staging: str, record: bool) -> dict:
+    args = [
+        "canary",
+        NAME,
+        "--version",
+        ctx.facts["versions"][1],
+        "--staging",
+        staging,
+        "--base",
+        ctx.work / "real8",
+        "--validation",
+        REPO / "datasets" / "agent_chat_validation.jsonl",
+        "--json",
+    ]
+    if not record:
+        args.append("--no-record")
+    r = ctx.cli(*args, timeout=420, check=False)
+    j = r.get("json") or {}
+    if not j:
+        raise RuntimeError(f"canary gave no result (rc {r['rc']}): {r.get('stderr', '')[-1500:]}")
+    return {"rc": r["rc"], "wall_s": r["wall_s"], **_canary_summary(j)}
+
+
+def _canary_summary(j: dict) -> dict:
+    par, sp = j.get("parity") or {}, j.get("speed") or {}
+
+    def p(k):
+        x = par.get(k) or {}
+        return {f: x.get(f) for f in ("agreement", "exact", "tied", "positions", "first_divergence",
+                                      "first_divergence_prompt", "max_logprob_diff", "max_logprob_diff_at")}  # fmt: skip
+
+    def s(k):
+        x = sp.get(k) or {}
+        return {f: x.get(f) for f in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position", "tpot_s",
+                                      "output_tokens", "other_traffic")}  # fmt: skip
+
+    return {
+        "verdict": j.get("verdict"),
+        "problems": j.get("problems"),
+        "served": j.get("served"),
+        "tolerance": j.get("tolerance"),
+        "parity": {"base": p("base"), "adapter": p("adapter")},
+        "speed": {"base": s("base"), "adapter": s("adapter")},
+        "speed_ratio": j.get("speed_ratio"),
+        "acceptance_ratio": j.get("acceptance_ratio"),
+        "effect": j.get("effect"),
+        "notes": j.get("notes"),
+        "prompts": len(j.get("prompts") or []),
+    }
+
+
+def st_canary_parity(ctx: Ctx) -> dict:
+    staging = ctx.engines.get("staging") or ctx.engines["fleet-a"]
+    return _canary(ctx, staging.url, record=False)
+
+
+def _instances_serving(ctx: Ctx, version: int) -> dict:
+    name = f"{NAME}-v{version}"
+    want = f"{ctx.facts['mount'].rstrip('/')}/{name}"
+    return {n: served_adapters(ctx.engines[n].url).get(name) == want for n in ("fleet-a", "fleet-b")}
+
+
+def st_publish(ctx: Ctx) -> dict:
+    v1 = ctx.facts["versions"][1]
+    r = ctx.cli("publish", NAME, "--version", v1, "--json", timeout=400)
+    pub = r["json"] or {}
+    s = ctx.cli("fleet", "status", "--json", check=False)
+    res = ctx.cli("fleet", "resolve", NAME, "--json", check=False)
+    serving = _instances_serving(ctx, v1)
+    return {
+        "version": v1,
+        "wall_s": r["wall_s"],
+        "confirmed_by": pub.get("instances"),
+        "instances_list_the_version": serving,
+        "warnings": pub.get("warnings"),
+        "resolve": res.get("json"),
+        "status_rc": s["rc"],
+        "status": s.get("json"),
+    }
+
+
+def st_decode(ctx: Ctx) -> dict:
+    a = ctx.engines["fleet-a"]
+    v1 = ctx.facts["versions"][1]
+    tokens = 256 if ctx.gpu else 8
+    return decode_table(a.url, a.model_id, f"{NAME}-v{v1}", (1, 8) if ctx.gpu else (1, 2), tokens)
+
+
+def st_publish2(ctx: Ctx) -> dict:
+    v1, v2 = ctx.facts["versions"][1], ctx.facts["versions"][2]
+    t = time.time()
+    p2 = ctx.cli("publish", NAME, "--version", v2, "--json", timeout=400)
+    serving_v2 = _instances_serving(ctx, v2)
+    resolved = ctx.cli("fleet", "resolve", NAME, "--json", check=False).get("json")
+    publish_to_serving = round(time.time() - t, 2)
+    rb = ctx.cli("rollback", NAME, "--to", v1, "--json", timeout=400)
+    after = ctx.cli("fleet", "resolve", NAME, "--json", check=False).get("json")
+    st = ctx.cli("fleet", "status", "--json", check=False)
+    return {
+        "publish_v2": {
+            "wall_s": p2["wall_s"],
+            "confirmed_by": (p2["json"] or {}).get("instances"),
+            "instances_list_the_version": serving_v2,
+            "resolved": resolved,
+            "publish_call_to_resolved_s": publish_to_serving,
+        },  # fmt: skip
+        "rollback": {"wall_s": rb["wall_s"], "result": rb["json"], "resolved_after": after},
+        "status_rc": st["rc"],
+        "status": st.get("json"),
+    }
+
+
+def st_stale_kv(ctx: Ctx) -> dict:
+    """Re-pointing a live name in place (load_inplace, NEW path) vs the versioned swap, on instance a.
+
+    On 0.18-0.25 the prefix-cache block hash of a LoRA request holds the adapter name only
+    (vllm/v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`), so after the re-point a prompt whose
+    blocks were cached with the old weights is answered from the old KV. The prompt is longer than one
+    KV block (hybrid models cache whole blocks only). `control`: the same adapter answers the same
+    prompt equally cold and warm, so a difference after the re-point is the stale KV, not numerics.
+    """
+    a = ctx.engines["fleet-a"]
+    mount = ctx.facts["mount"].rstrip("/")
+    v1, v2 = ctx.facts["versions"][1], ctx.facts["versions"][2]
+    p1, p2 = f"{mount}/{NAME}-v{v1}", f"{mount}/{NAME}-v{v2}"
+    block = _block_size(a.url) or 1024
+    limit = 16384 if ctx.gpu else 2048
+    n = min(2 * block + 37, limit - 64)
+    prompt = random_prompts(1, n, seed=7)[0]
+    k = 24 if ctx.gpu else 6
+
+    def hits():
+        return prom.counters(metrics(a.url)).get(prom.PREFIX_HITS, 0.0)
+
+    probe, ref = f"stale-probe-{os.getpid()}", f"stale-ref-{os.getpid()}"
+    lora(a.url, "load", lora_name=probe, lora_path=p1)
+    try:
+        cold1 = greedy_ids(a.url, probe, prompt, k)
+        h0 = hits()
+        warm1 = greedy_ids(a.url, probe, prompt, k)
+        h1 = hits()
+        lora(a.url, "load", lora_name=probe, lora_path=p2, load_inplace=True)
+        after = greedy_ids(a.url, probe, prompt, k)
+        h2 = hits()
+        lora(a.url, "load", lora_name=ref, lora_path=p2)
+        fresh2 = greedy_ids(a.url, ref, prompt, k)
+        # the pipeline's way: the version names, each with its own prefix-cache key
+        greedy_ids(a.url, f"{NAME}-v{v1}", prompt, k)
+        greedy_ids(a.url, f"{NAME}-v{v1}", prompt, k)
+        versioned2 = greedy_ids(a.url, f"{NAME}-v{v2}", prompt, k)
+    finally:
+        for x in (probe, ref):
+            try:
+                lora(a.url, "unload", lora_name=x)
+            except RuntimeError:
+                pass
+    return {
+        "block_size": block,
+        "prompt_tokens": n,
+        "generated": k,
+        "v1_differs_from_v2": cold1 != fresh2,
+        "control_cold_equals_warm": cold1 == warm1,
+        "warm_hit_tokens": h1 - h0,
+        "repoint_hit_tokens": h2 - h1,
+        "repoint_answer_equals_fresh_v2": after == fresh2,
+        "repoint_answer_equals_v1": after == cold1,
+        "stale_kv_served": after != fresh2 and (h2 - h1) > 0,
+        "versioned_v2_equals_fresh_v2": versioned2 == fresh2,
+    }
+
+
+def st_canary_served(ctx: Ctx) -> dict:
+    """The canary on the fleet's kind of engine (NVFP4 + MTP, instance a as staging), recorded on v1."""
+    return _canary(ctx, ctx.engines["fleet-a"].url, record=True)
+
+
+def st_merged(ctx: Ctx) -> dict:
+    res = {"build": ctx.wait_bg("merge", 300)}
+    e = ctx.start_engine(gpu_engines(ctx.work)["merged"], PORTS["merged"])
+    ctx.wait_engine(e.name, 300)
+    a = ctx.engines["fleet-a"]
+    v1 = ctx.facts["versions"][1]
+    r = ctx.cli("merge-parity", ctx.work / "merged-v1", "--merged", e.url, "--hot", a.url, "--name", NAME,
+                "--version", v1, "--json", timeout=300, check=False)  # fmt: skip
+    res["merge_parity"] = {"rc": r["rc"], "wall_s": r["wall_s"], "result": r.get("json") or r.get("stdout")}
+    res["decode_merged"] = {str(b): decode(e.url, e.model_id, b, 256) for b in (1, 8)}
+    return res
+
+
+def st_staging_bf16(ctx: Ctx) -> dict:
+    e = ctx.wait_engine("staging-bf16", 300)
+    res = {"canary": _canary(ctx, e.url, record=False)}
+    v1 = ctx.facts["versions"][1]
+    lora(e.url, "load", lora_name=f"{NAME}-v{v1}", lora_path=str(ctx.facts["adapters"][1]))
+    res["decode"] = decode_table(e.url, e.model_id, f"{NAME}-v{v1}", (1, 8), 256)
+    return res
+
+
+# plan sweep -------------------------------------------------------------------------------------------------------
+def st_sweep_start(ctx: Ctx) -> dict:
+    for n, e in sweep_engines(ctx.work).items():
+        ctx.start_engine(e, SWEEP_PORTS[n])
+    return {"engines": {n: ctx.engines[n].args for n in SWEEP_PORTS}}
+
+
+def st_sweep(ctx: Ctx) -> dict:
+    ads = ctx.facts["adapters"]
+    res = {}
+    for n in SWEEP_PORTS:
+        if ctx.left() < 40:
+            res[n] = "skipped (deadline)"
+            continue
+        try:
+            e = ctx.wait_engine(n, 400)
+            lora(e.url, "load", lora_name="sweep", lora_path=str(ads[1]))
+            res[n] = {"ready_s": e.ready_s, **decode_table(e.url, e.model_id, "sweep", (1, 8), 256)}
+            _kill(e.proc)  # free the GPU for the next measurement's neighbours
+        except Exception as ex:  # noqa: BLE001 - one setting failing is a result
+            res[n] = {"error": f"{type(ex).__name__}: {ex}"[:2000]}
+    return res
+
+
+def st_publish_latency(ctx: Ctx) -> dict:
+    """publish -> serving on the GPU fleet: `pipeline publish` alternating v2/v1 (5 times), against a direct load."""
+    a = ctx.engines["fleet-a"]
+    mount = ctx.facts["mount"].rstrip("/")
+    v1, v2 = ctx.facts["versions"][1], ctx.facts["versions"][2]
+    t = time.perf_counter()
+    lora(a.url, "load", lora_name="latency-probe", lora_path=f"{mount}/{NAME}-v{v1}")
+    direct = time.perf_counter() - t
+    lora(a.url, "unload", lora_name="latency-probe")
+    runs = []
+    for i in range(5):
+        v = (v2, v1)[i % 2]
+        t = time.perf_counter()
+        r = (
+            ctx.cli("publish", NAME, "--version", v, "--json", timeout=300)
+            if i < 2
+            else ctx.cli("rollback", NAME, "--to", v, "--json", timeout=300)
+        )
+        ok = all(_instances_serving(ctx, v).values())
+        runs.append({"version": v, "command": "publish" if i < 2 else "rollback", "wall_s": round(time.perf_counter() - t, 3),
+                     "cli_wall_s": r["wall_s"], "both_serving": ok})  # fmt: skip
+    walls = sorted(x["wall_s"] for x in runs)
+    return {"direct_load_s": round(direct, 3), "runs": runs, "median_s": walls[len(walls) // 2]}
+
+
+# -- plans ---------------------------------------------------------------------------------------------------------
+# (stage, function, estimated seconds: skipped when fewer are left before the deadline)
+PLANS = {
+    "main": [
+        ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
+        ("served", st_served, 200), ("train", st_train, 200), ("register", st_register, 60),
+        ("engines", st_engines, 300), ("canary_parity", st_canary_parity, 90), ("publish", st_publish, 60),
+        ("decode", st_decode, 60), ("publish2", st_publish2, 90), ("stale_kv", st_stale_kv, 45),
+        ("canary_served", st_canary_served, 90), ("merged", st_merged, 150), ("staging_bf16", st_staging_bf16, 90),
+    ],
+    "sweep": [
+        ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
+        ("served", st_served, 200), ("train", st_train, 200), ("register", st_register, 60),
+        ("sweep_start", st_sweep_start, 10), ("engines", st_engines, 300), ("publish", st_publish, 60),
+        ("publish_latency", st_publish_latency, 120), ("sweep", st_sweep, 200),
+    ],
+    "smoke": [
+        ("host", st_host, 5), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
+        ("served", st_served, 10), ("train", st_train, 300), ("register", st_register, 120),
+        ("engines", st_engines, 240), ("canary_parity", st_canary_parity, 120), ("publish", st_publish, 120),
+        ("decode", st_decode, 60), ("publish2", st_publish2, 180), ("stale_kv", st_stale_kv, 120),
+    ],
+}  # fmt: skip
+# a stage that cannot run without an earlier one
+NEEDS = {
+    "mtp": ["base"], "launch": ["base"], "served": ["launch"], "train": ["launch"], "register": ["train", "served"],
+    "engines": ["served"], "canary_parity": ["register", "engines"], "publish": ["register", "engines"],
+    "decode": ["publish"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
+    "merged": ["train", "publish"], "staging_bf16": ["train", "register"], "sweep_start": ["served"],
+    "sweep": ["sweep_start", "register"], "publish_latency": ["publish"],
+}  # fmt: skip
+
+
+def run(ctx: Ctx, plan: list | None = None) -> dict:
+    """Run the stages of `plan` (default PLANS[ctx.plan]) in order; returns the assembled record."""
+    (ctx.out / "stages").mkdir(parents=True, exist_ok=True)
+    (ctx.work / "logs").mkdir(parents=True, exist_ok=True)
+    done: dict[str, dict] = {}
+    plan = PLANS[ctx.plan] if plan is None else plan
+    for name, fn, est in plan:
+        missing = [
+            n for n in NEEDS.get(name, []) if n in {p[0] for p in plan} and not done.get(n, {}).get("ok")
+        ]
+        if missing:
+            rec = {"ok": False, "skipped": f"needs {', '.join(missing)}"}
+        elif ctx.left() < est:
+            rec = {"ok": False, "skipped": f"deadline: {ctx.left():.0f} s left, stage needs ~{est} s"}
+        else:
+            t = time.time()
+            ctx.log(f"== {name}")
+            try:
+                rec = {"ok": True, "result": fn(ctx)}
+            except Exception as e:  # noqa: BLE001 - a stage's failure is a result; the next stages decide
+                rec = {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}"[-4000:],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
+            rec["seconds"] = round(time.time() - t, 1)
+        rec["at_s"] = round(ctx.elapsed, 1)
+        done[name] = rec
+        (ctx.out / "stages" / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+        ctx.log(f"{name}: {'ok' if rec['ok'] else rec.get('skipped') or rec.get('error', '')[:300]}")
+    record = assemble(ctx, done)
+    (ctx.out / "vllm_h200.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return record
+
+
+def assemble(ctx: Ctx, done: dict[str, dict]) -> dict:
+    """The issue's "Done when" record from the stages' results (None where a stage did not run)."""
+
+    def r(stage, *path, default=None):
+        x = (done.get(stage) or {}).get("result")
+        for p in path:
+            if not isinstance(x, dict):
+                return default
+            x = x.get(p)
+        return default if x is None else x
+
+    cp, cs = r("canary_parity") or {}, r("canary_served") or {}
+    dec = r("decode") or {}
+    quant = r("served", "quantization") or {}
+    rec = {
+        "benchmark": "vllm_h200",
+        "plan": ctx.plan,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "host": r("host"),
+        "vllm_version": (r("engines", "vllm_version") or [None])[0],
+        "quantization": {"method": "modelopt", **quant} if quant else None,
+        "speculative": SPEC_MTP if ctx.gpu else SPEC_NGRAM,
+        "instances": len([n for n in ("fleet-a", "fleet-b") if n in ctx.engines]),
+        "engine_flags": {n: e.args for n, e in ctx.engines.items()},
+        "engine_ready_s": {n: e.ready_s for n, e in ctx.engines.items()},
+        "read_only_mount": r("host", "mount"),
+        "publish": {
+            "version": r("publish", "version"),
+            "confirmed_by": r("publish", "confirmed_by"),
+            "instances_list_the_version": r("publish", "instances_list_the_version"),
+            "wall_s": r("publish", "wall_s"),
+        },
+        "canary_bf16_base": {
+            "engine": "bf16 base, --dtype float32, eager, MTP, LoRA",
+            "token_agreement": (cp.get("parity") or {}).get("adapter", {}).get("agreement"),
+            "base_token_agreement": (cp.get("parity") or {}).get("base", {}).get("agreement"),
+            "first_divergence": (cp.get("parity") or {}).get("adapter", {}).get("first_divergence"),
+            "max_logprob_diff": (cp.get("parity") or {}).get("adapter", {}).get("max_logprob_diff"),
+            "verdict": cp.get("verdict"),
+        },
+        "canary_nvfp4": {
+            "verdict": cs.get("verdict"),
+            "effect": cs.get("effect"),
+            "acceptance_length": {
+                k: (cs.get("speed") or {}).get(k, {}).get("mean_acceptance_length")
+                for k in ("base", "adapter")
+            },
+            "acceptance_rate": {
+                k: (cs.get("speed") or {}).get(k, {}).get("acceptance_rate") for k in ("base", "adapter")
+            },
+            "tpot_ms": {
+                k: _ms((cs.get("speed") or {}).get(k, {}).get("tpot_s")) for k in ("base", "adapter")
+            },
+            "parity": cs.get("parity"),
+        },
+        "acceptance_length": (dec.get("acceptance_length") or {}),
+        "decode_tok_s": dec.get("tok_s"),
+        "decode_ratio_adapter_over_base": dec.get("ratio_adapter_over_base"),
+        "field_report": dec.get("field_report"),
+        "mtp_distillation": {
+            k: r("mtp", k)
+            for k in (
+                "agreement_random",
+                "agreement_ridge",
+                "agreement_trained",
+                "train_steps",
+                "continuations",
+                "seconds",
+            )
+        },  # fmt: skip
+        "stale_kv": r("stale_kv"),
+        "release": r("publish2"),
+        "merged_vs_hot": r("merged"),
+        "bf16_engine": r("staging_bf16"),
+        "sweep": r("sweep"),
+        "publish_latency": r("publish_latency"),
+        "stages": {
+            k: {
+                "ok": v.get("ok"),
+                "seconds": v.get("seconds"),
+                "at_s": v.get("at_s"),
+                "skipped": v.get("skipped"),
+                "error": (v.get("error") or "")[:600] or None,
+            }
+            for k, v in done.items()
+        },  # fmt: skip
+        "failed": sorted(k for k, v in done.items() if not v.get("ok")),
+        "seconds": round(ctx.elapsed, 1),
+    }
+    rec["done_when"] = done_when(rec)
+    return rec
+
+
+def _ms(s):
+    return None if s is None else round(1000 * s, 3)
+
+
+def done_when(rec: dict) -> dict:
+    """Each condition of issue 23's "Done when", checked on the record."""
+    dec = rec.get("decode_tok_s") or {}
+    acc = rec.get("acceptance_length") or {}
+    pub = rec.get("publish") or {}
+    return {
+        "vllm_0.25": str(rec.get("vllm_version") or "").startswith("0.25."),
+        "modelopt_nvfp4": ((rec.get("quantization") or {}).get("quant_algo") == "NVFP4"),
+        "mtp_3": rec.get("speculative") == SPEC_MTP,
+        "two_instances": rec.get("instances") == 2,
+        "publish_confirmed_by_both": sorted(pub.get("confirmed_by") or []) == ["fleet-a", "fleet-b"],
+        "canary_agreement_0.99": ((rec.get("canary_bf16_base") or {}).get("token_agreement") or 0) >= 0.99,
+        "acceptance_base_and_adapter": bool(acc.get("base")) and bool(acc.get("adapter")),
+        "decode_base_and_adapter": bool(dec.get("base")) and bool(dec.get("adapter")),
+    }
+
+
+def _du(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+# -- argv: the engines' command lines, checked with vLLM's own parser ---------------------------------------------
+_CHECK = r"""
+import json, sys
+import vllm.platforms as P
+from vllm.platforms.interface import Platform, PlatformEnum
+class _Cuda(Platform):  # argument parsing only: vLLM's config defaults ask the platform for a device type
+    _enum = PlatformEnum.CUDA
+    device_name = device_type = "cuda"
+    dispatch_key = "CUDA"
+P._current_platform = _Cuda()
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+import vllm
+out = {"vllm": vllm.__version__}
+import contextlib, io
+for name, argv in json.load(sys.stdin).items():
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):  # `vllm serve MODEL`: the CLI turns the positional into --model
+            a = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", argv[0], *argv[1:]])
+            validate_parsed_serve_args(a)
+        out[name] = "ok"
+    except SystemExit as e:
+        out[name] = f"exit {e.code}: {err.getvalue().strip().splitlines()[-1:]}"
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def engine_argvs(plan: str, work: Path) -> dict[str, list[str]]:
+    """{engine: the `vllm serve` arguments it gets} for a plan (model path first)."""
+    ctx = Ctx(plan, work, work, 1e9, gpu=plan != "smoke")
+    engines = {"main": gpu_engines, "sweep": sweep_engines, "smoke": smoke_engines}[plan](work)
+    out = {}
+    for n, e in engines.items():
+        argv = [str(e.model), "--host", "127.0.0.1", "--port", "8000", *ctx.common(), *e.args]
+        out[n] = argv + (["--served-model-name", e.served_name] if e.served_name else [])
+    return out
+
+
+def check_argvs(python: str, argvs: dict[str, list[str]]) -> dict:
+    """Parse each command line with the vLLM installed for `python` (e.g. a Python 3.12 env with vllm 0.25.1)."""
+    p = subprocess.run([python, "-c", _CHECK], input=json.dumps(argvs), capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})  # fmt: skip
+    if p.returncode:
+        raise RuntimeError(f"{python}: {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# -- record into benchmarks/results --------------------------------------------------------------------------------
+def record_into(out: Path, into: Path) -> dict:
+    rec = json.loads((out / "vllm_h200.json").read_text())
+    data = json.loads(into.read_text()) if into.exists() else {"records": []}
+    data["records"] = [
+        x for x in data["records"] if not (x.get("date") == rec["date"] and x.get("plan") == rec["plan"])
+    ]
+    data["records"].append(rec)
+    into.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return rec["done_when"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("plan", choices=sorted(PLANS))
+    r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--deadline-s", type=float, default=500.0, help="start no stage that would end after this")
+    r.add_argument(
+        "--attach", nargs="*", default=[], help="NAME=URL: running instances instead of new engines (smoke)"
+    )
+    r.add_argument(
+        "--adapters", nargs=2, type=Path, help="two adapter directories instead of training (smoke)"
+    )
+    g = sub.add_parser("argv")
+    g.add_argument("--plan", choices=sorted(PLANS), default="main")
+    g.add_argument("--work", type=Path, default=Path("/tmp/vw"))
+    g.add_argument("--check", metavar="PYTHON", help="parse each with the vLLM of this interpreter")
+    rc = sub.add_parser("record")
+    rc.add_argument("out", type=Path)
+    rc.add_argument("--into", type=Path, default=REPO / "benchmarks" / "results" / "vllm_h200.json")
+    a = ap.parse_args()
+    if a.cmd == "argv":
+        argvs = engine_argvs(a.plan, a.work)
+        print(json.dumps(check_argvs(a.check, argvs) if a.check else argvs, indent=1))
+        return
+    if a.cmd == "record":
+        print(json.dumps(record_into(a.out, a.into), indent=1))
+        return
+    a.work.mkdir(parents=True, exist_ok=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(a.plan, a.work.resolve(), a.out.resolve(), a.deadline_s, gpu=a.plan != "smoke")
+    if a.adapters:
+        ctx.adapters_given = [p.resolve() for p in a.adapters]
+    ctx.attach = dict(x.split("=", 1) for x in a.attach) or None
+    try:
+        rec = run(ctx)
+    finally:
+        ctx.stop_all()
+    print(json.dumps(rec["done_when"], indent=1))
+    print(json.dumps({"failed": rec["failed"], "seconds": rec["seconds"]}))
+
+
+if __name__ == "__main__":
+    main()
