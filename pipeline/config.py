@@ -209,7 +209,12 @@ class TrainSection(_Section):
 class RunSection(_Section):
     """Gates of the unattended `pipeline run`."""
 
-    eval_loss_margin: float = Field(0.02, ge=0, description="max eval-loss increase over production (nats)")
+    eval_loss_margin: float = Field(
+        0.05,
+        ge=0,
+        description="max eval-loss increase over production (nats); above the run-to-run spread of "
+        "identical retrains (docs/registry.md, 'Gates on the version': 0.0205 measured on the tiny demo)",
+    )
 
 
 class CanarySection(_Section):

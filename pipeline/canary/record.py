@@ -17,8 +17,10 @@ REPORT_TAG = "canary.report"
 
 
 # -- registry: record, show, gate -------------------------------------------------------------------------------------
-def _r(x: float | None, n: int = 4) -> str:
-    return "" if x is None else str(round(x, n))
+def _r(x: float | None) -> str:
+    """A figure as a tag, exactly (float repr): publish's floors compare these (rounded to 4
+    decimals, a speed ratio of 0.79996 passed a floor of 0.8)."""
+    return "" if x is None else repr(float(x))
 
 
 def _positions(rates: list[float] | None) -> str:
@@ -41,15 +43,15 @@ def summary_tags(res: CanaryResult) -> dict[str, str]:
         "vllm_version": srv.get("vllm_version") or "",
         "token_agreement": _r(a.agreement),
         "base_token_agreement": _r(b.agreement),
-        "max_logprob_diff": _r(a.max_logprob_diff, 6),
-        "base_max_logprob_diff": _r(b.max_logprob_diff, 6),
+        "max_logprob_diff": _r(a.max_logprob_diff),
+        "base_max_logprob_diff": _r(b.max_logprob_diff),
         "first_divergence": "" if a.first_divergence is None else str(a.first_divergence),
         "acceptance_rate": _r(sa.acceptance_rate),
         "base_acceptance_rate": _r(sb.acceptance_rate),
         "acceptance_length": _r(sa.mean_acceptance_length),
         "base_acceptance_length": _r(sb.mean_acceptance_length),
-        "tpot_ms": _r(sa.tpot_s * 1000 if sa.tpot_s is not None else None, 3),
-        "base_tpot_ms": _r(sb.tpot_s * 1000 if sb.tpot_s is not None else None, 3),
+        "tpot_ms": _r(sa.tpot_s * 1000 if sa.tpot_s is not None else None),
+        "base_tpot_ms": _r(sb.tpot_s * 1000 if sb.tpot_s is not None else None),
         "speed_ratio": _r(res.speed_ratio),
         "acceptance_ratio": _r(res.acceptance_ratio),
         "problems": " | ".join(res.problems)[:4900],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from pipeline.canary.effect import Effect
 from pipeline.canary.prompts import Prompt
@@ -84,7 +85,7 @@ class CanaryResult:
         return [f.message for f in self.findings if f.severity == "error"]
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Literal["pass", "fail"]:
         return "fail" if self.problems else "pass"
 
     def to_dict(self) -> dict:

@@ -168,11 +168,15 @@ def _canary_detail(c: dict | None) -> str:
     """`agree=1.0,AL=2.1/3.21,speed=0.49`: token agreement, acceptance length adapter/base, speed ratio."""
     if not c:
         return ""
-    parts = [f"agree={c.get('token_agreement')}"]
+
+    def g(v) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    parts = [f"agree={g(c.get('token_agreement'))}"]
     if c.get("acceptance_length"):
-        parts.append(f"AL={c['acceptance_length']}/{c.get('base_acceptance_length')}")
+        parts.append(f"AL={g(c['acceptance_length'])}/{g(c.get('base_acceptance_length'))}")
     if c.get("speed_ratio"):
-        parts.append(f"speed={c['speed_ratio']}")
+        parts.append(f"speed={g(c['speed_ratio'])}")
     return ",".join(parts)
 
 
@@ -209,8 +213,9 @@ STATUS_COLUMNS = (
     Column("WEIGHTS_SHA256", lambda r: (r["weights_sha256"] or "")[:12], wide=True),
     Column("RUN_ID", lambda r: r["run_id"], wide=True),
     Column("CANARY_DETAIL", lambda r: _canary_detail(r.get("canary")), wide=True),
-    Column("GATE_REASON", lambda r: (r.get("gate") or {}).get("reason"), wide=True),
     Column("MERGED", lambda r: _merged_detail(r.get("merged")), wide=True),
+    # free text last, so the columns before it split on blanks (README "Output for people and for automation")
+    Column("GATE_REASON", lambda r: (r.get("gate") or {}).get("reason"), wide=True),
 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from pipeline.artifacts.volume import VERSION_RE, verify_version, version_name
 from pipeline.config import ProjectConfig
@@ -85,6 +86,24 @@ def sync(cfg: ProjectConfig) -> list[InstanceReport]:
 
 
 # -- status --------------------------------------------------------------------------------------
+# What a status row can say: an instance x adapter, an instance, or (instance `-`) the volume and
+# registry (`pipeline.release.desired.volume_rows`).
+RowState = Literal[
+    "ok",
+    "missing",
+    "stale",
+    "extra",
+    "unknown",
+    "hung",
+    "unreachable",
+    "mismatch",
+    "error",
+    "drift",
+    "corrupt",
+    "absent",
+]
+
+
 @dataclass
 class StatusRow:
     """One instance x adapter (or one row for the instance: adapter None). States: module doc."""
@@ -93,7 +112,7 @@ class StatusRow:
     adapter: str | None
     desired: int | None
     serving: str | None  # the version (as "vN") or the raw root path the instance serves
-    state: str
+    state: RowState
     detail: str = ""
     vllm: str | None = None  # what `GET /version` reported
 

@@ -109,22 +109,49 @@ def _shipped(mv) -> bool:
     )
 
 
-def _gate(cfg: ProjectConfig, name: str, report_verdict: str, eval_loss: float | None) -> str | None:
-    """Why the candidate must not ship, or None when it may."""
+def eval_loss_gate(
+    candidate: dict[str, str], production: dict[str, str], margin: float, prod_version: int
+) -> str | None:
+    """Why the candidate's eval loss keeps it from replacing production, or None. Tags in, no I/O.
 
+    Both losses are the versions' exact tags (`eval_loss`, float repr), compared only when both
+    were measured on the same validation set (`eval_dataset_sha256`): a loss on other data says
+    nothing about which adapter is better. `margin` (nats, `run.eval_loss_margin`) is the noise
+    allowance: identical retrains differ by up to the measured run-to-run range
+    (docs/registry.md, "Gates on the version").
+    """
+    try:
+        prod_loss = float(production["eval_loss"])
+    except (KeyError, ValueError):
+        return None  # nothing to compare with: production predates eval losses
+    try:
+        loss = float(candidate["eval_loss"])
+    except (KeyError, ValueError):
+        return f"candidate has no eval_loss to compare with production v{prod_version}'s {prod_loss!r}"
+    mine, theirs = candidate.get(registry.EVAL_SET_TAG), production.get(registry.EVAL_SET_TAG)
+    if mine and theirs and mine != theirs:
+        return (
+            f"eval_loss not comparable: evaluated on validation set {mine[:12]}, production v{prod_version} "
+            f"on {theirs[:12]}; keep the validation files, or ship it by hand (`pipeline promote`)"
+        )
+    if loss > prod_loss + margin:
+        return (
+            f"eval_loss {loss!r} is worse than production v{prod_version}'s {prod_loss!r} by "
+            f"{loss - prod_loss:.6g}, more than run.eval_loss_margin {margin}"
+        )
+    return None
+
+
+def _gate(cfg: ProjectConfig, name: str, version: int, report_verdict: str) -> str | None:
+    """Why the candidate must not ship, or None when it may: validation, then eval loss against production."""
     if report_verdict != "pass":
         return f"validation verdict {report_verdict!r}"
     prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
-    if prod is None:
+    if prod is None or prod == version:
         return None
-    mv = registry.resolve_version(cfg, name, version=prod)
-    prod_loss = (mv.tags or {}).get("eval_loss")
-    if prod_loss is None or eval_loss is None:
-        return None if prod_loss is None else "candidate has no eval_loss to compare with production"
-    margin = cfg.run.eval_loss_margin
-    if eval_loss > float(prod_loss) + margin:
-        return f"eval_loss {eval_loss:.4f} is worse than production v{prod}'s {float(prod_loss):.4f} by more than {margin}"
-    return None
+    candidate = registry.resolve_version(cfg, name, version=version).tags or {}
+    production = registry.resolve_version(cfg, name, version=prod).tags or {}
+    return eval_loss_gate(candidate, production, cfg.run.eval_loss_margin, prod)
 
 
 def _ship(
@@ -132,7 +159,6 @@ def _ship(
     name: str,
     version: int,
     verdict: str,
-    eval_loss: float | None,
     out: RunOutcome,
     seconds: dict[str, float],
 ) -> RunOutcome:
@@ -142,7 +168,7 @@ def _ship(
     stop is raised (`Interrupted`, with `out.published` set).
     """
     out.stage = "gate"
-    why = _gate(cfg, name, verdict, eval_loss)
+    why = _gate(cfg, name, version, verdict)
     if not why and cfg.canary.staging_url:
         # Behaviour on the engine (parity with PEFT, spec-decode speed): recorded on the
         # version; publish's canary gate then reads it (pipeline/canary).
@@ -231,15 +257,8 @@ def run(
                 same.version,
             )
             out.version, out.run_id = int(same.version), same.run_id
-            loss = tags.get("eval_loss")
             return _ship(
-                cfg,
-                name,
-                int(same.version),
-                tags.get("validation.verdict", "unknown"),
-                float(loss) if loss not in (None, "") else None,
-                out,
-                seconds,
+                cfg, name, int(same.version), tags.get("validation.verdict", "unknown"), out, seconds
             )
         run_dir = cfg.train.runs_dir / f"{name}-{fp[:12]}"
         t = time.time()
@@ -291,9 +310,7 @@ def run(
             registry.set_version_tags(cfg, name, version, {FINGERPRINT_TAG: fp})  # also on a reused version
             checkpoint("run-after-tag")
         seconds["register"] = time.time() - t
-        return _ship(
-            cfg, name, version, report.verdict, manifest.get("metrics", {}).get("eval_loss"), out, seconds
-        )
+        return _ship(cfg, name, version, report.verdict, out, seconds)
     except Interrupted as e:
         out.status = "killed"
         e.outcome = out

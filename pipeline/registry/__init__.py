@@ -10,6 +10,7 @@ Embedded default: sqlite at `<state_dir>/mlflow.db`, artifacts under `<state_dir
 from __future__ import annotations
 
 from pipeline.registry.events import EVENT_TAG_PREFIX, events, record_event, rollback_aliases
+from pipeline.registry.presentation import refresh as refresh_ui
 from pipeline.registry.runs import finish_training_run, reopen_training_run, start_training_run
 from pipeline.registry.store import (
     artifact_location,
@@ -27,6 +28,7 @@ from pipeline.registry.versions import (
     ALIAS_CANDIDATE,
     ALIAS_PREVIOUS,
     ALIAS_PRODUCTION,
+    EVAL_SET_TAG,
     FINGERPRINT_TAG,
     GATE_REASON_TAG,
     GATE_VERDICT_TAG,
@@ -51,6 +53,7 @@ __all__ = [
     "ALIAS_CANDIDATE",
     "ALIAS_PREVIOUS",
     "ALIAS_PRODUCTION",
+    "EVAL_SET_TAG",
     "EVENT_TAG_PREFIX",
     "FINGERPRINT_TAG",
     "GATE_REASON_TAG",
@@ -74,6 +77,7 @@ __all__ = [
     "model_names",
     "record_event",
     "redact_uri",
+    "refresh_ui",
     "record_gate",
     "register_adapter",
     "reopen_training_run",

@@ -6,6 +6,7 @@ import json
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
+from pipeline.registry.presentation import refresh as refresh_ui
 from pipeline.registry.store import mlflow_for
 from pipeline.registry.versions import (
     ALIAS_PREVIOUS,
@@ -129,4 +130,5 @@ def rollback_aliases(
     set_alias(cfg, name, ALIAS_PREVIOUS, current)
     record_event(cfg, name, target, {**facts, "type": "rollback", "from_version": current})
     record_event(cfg, name, current, {"type": "rolled_back", "to_version": target})
+    refresh_ui(cfg, name, [target, current])
     return current, target

@@ -13,26 +13,21 @@ from pipeline.artifacts.names import check_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.interrupt import shielded
+from pipeline.registry.presentation import refresh as refresh_ui
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
-
-ALIAS_CANDIDATE = "candidate"
-
-
-ALIAS_PRODUCTION = "production"
-
-
-ALIAS_PREVIOUS = "previous"
-
+from pipeline.registry.tags import (  # noqa: F401 - the registry's names, also as registry.versions.X
+    ALIAS_CANDIDATE,
+    ALIAS_PREVIOUS,
+    ALIAS_PRODUCTION,
+    EVAL_SET_TAG,
+    FINGERPRINT_TAG,
+    GATE_REASON_TAG,
+    GATE_VERDICT_TAG,
+    METRIC_TAGS,
+    GateVerdict,
+)
 
 MODEL_TYPE = "peft-lora"
-
-# The input fingerprint (pipeline/artifacts/fingerprint.py) every registration carries, so
-# `pipeline run` skips inputs already registered however they were registered.
-FINGERPRINT_TAG = "run.fingerprint"
-
-# A gate's outcome on a version (`pipeline run`: validation, eval loss, canary, publish's gates).
-GATE_VERDICT_TAG = "gate.verdict"  # "pass" | "gated"
-GATE_REASON_TAG = "gate.reason"
 
 
 class RegistryError(UsageError):
@@ -50,7 +45,25 @@ class Registered:
 
 
 def _num(v) -> str:
+    """A number for people (the description): 4 significant digits."""
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def exact(v: float | int) -> str:
+    """A metric as a tag: `repr` of the float, which reads back as the same float (no rounding)."""
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+def eval_set_digest(manifest: dict) -> str:
+    """sha256 over the sorted sha256s of the manifest's validation files; "" when it names none."""
+    import hashlib
+
+    shas = sorted(
+        str(f.get("sha256"))
+        for f in (manifest.get("dataset") or {}).get("files") or []
+        if f.get("role") == "validation"
+    )
+    return hashlib.sha256("\n".join(shas).encode()).hexdigest() if shas else ""
 
 
 def _describe(manifest: dict, report: dict) -> str:
@@ -98,9 +111,11 @@ def version_tags(cfg: ProjectConfig, manifest: dict, report: dict, run_id: str |
     fp = manifest_fingerprint(manifest)
     if fp:
         tags[FINGERPRINT_TAG] = fp
-    for k in ("eval_loss", "train_loss", "tokens_per_s", "mfu"):
-        if isinstance(m.get(k), (int, float)):
-            tags[k] = _num(m[k])
+    if eval_set_digest(manifest):
+        tags[EVAL_SET_TAG] = eval_set_digest(manifest)
+    for k in METRIC_TAGS:
+        if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
+            tags[k] = exact(m[k])
     return tags
 
 
@@ -216,6 +231,7 @@ def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, ma
             rp.write_text(json.dumps(report, indent=2))
             client.log_artifact(run_id, str(rp), artifact_path=f"validation/{name}")
     client.set_registered_model_alias(name, ALIAS_CANDIDATE, mv.version)
+    refresh_ui(cfg, name, [int(mv.version)])  # the headline and the model's summary
     return Registered(name, int(mv.version), model.model_id, run_id, mv.source)
 
 
@@ -287,21 +303,21 @@ def set_version_tags(cfg: ProjectConfig, name: str, version: int, tags: dict[str
         client.set_model_version_tag(name, str(version), k, str(v))
 
 
-def record_gate(cfg: ProjectConfig, name: str, version: int, verdict: str, reason: str | None) -> None:
-    """Put a gate's outcome on the version: tags `gate.verdict` / `gate.reason` and a description line.
+def record_gate(
+    cfg: ProjectConfig, name: str, version: int, verdict: GateVerdict, reason: str | None
+) -> None:
+    """Put a gate's outcome on the version: tags `gate.verdict` / `gate.reason`, and the UI's summaries.
 
     `verdict` is "pass" or "gated"; `reason` says why it was gated (None when it passed). The
-    description gets `Gate: <verdict>: <reason>` appended (replacing an earlier gate line), so the
-    MLflow UI's version page shows it without opening the tags.
+    version description's first line then says `GATED, stays candidate: <reason>` and the model's
+    `candidate` tag `vN gated` (`pipeline.registry.presentation`), so the MLflow UI shows it
+    without opening the tags.
     """
     client = mlflow_for(cfg).MlflowClient()
     tags = {GATE_VERDICT_TAG: verdict, GATE_REASON_TAG: (reason or "")[:4900]}
     for k, v in tags.items():
         client.set_model_version_tag(name, str(version), k, v)
-    mv = client.get_model_version(name, str(version))
-    kept = [ln for ln in (mv.description or "").splitlines() if not ln.startswith("Gate: ")]
-    line = f"Gate: {verdict}" + (f": {reason}" if reason else "")
-    client.update_model_version(name, str(version), description="\n".join([*kept, line])[:4990])
+    refresh_ui(cfg, name, [version])
 
 
 def model_exists(cfg: ProjectConfig, name: str) -> bool:

@@ -218,6 +218,8 @@ def commit(cfg: ProjectConfig, intent: Intent) -> list[str]:
                 cfg, name, intent.from_version, {"type": "rolled_back", "to_version": v}, txn=intent.id
             )
     checkpoint("after-events")
+    # what the MLflow UI shows first: the headlines of both versions, the model's summary tags
+    registry.refresh_ui(cfg, name, [v, intent.from_version])
     clear_intent(cfg.volume.path, name)
     return notes
 
@@ -238,6 +240,7 @@ def undo(cfg: ProjectConfig, intent: Intent) -> list[InstanceReport]:
         _set_alias(cfg, name, registry.ALIAS_PRODUCTION, intent.production_before)
     if registry.alias_version(cfg, name, registry.ALIAS_PREVIOUS) != intent.previous_before:
         _set_alias(cfg, name, registry.ALIAS_PREVIOUS, intent.previous_before)
+    registry.refresh_ui(cfg, name)
     clear_intent(cfg.volume.path, name)
     return reports
 

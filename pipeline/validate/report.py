@@ -12,9 +12,12 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.findings import Finding, Report
+
+Verdict = Literal["pass", "fail"]
 
 REPORT_FILE = "validation.json"
 DEFAULT_VLLM_VERSION = "0.19.2"  # pipeline.yaml fleet.vllm_version's default
@@ -40,7 +43,7 @@ class ValidationReport(Report):
         return self.findings
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         return "pass" if self.ok else "fail"
 
     @property

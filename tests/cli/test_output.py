@@ -105,7 +105,7 @@ def test_status_output_formats(cfg):
     )
     r = cli(cfg, "status", "agent-tools", "-o", "tsv")
     header, *rows = [ln.split("\t") for ln in r.stdout.splitlines()]
-    assert header[:2] == ["MODEL", "VERSION"] and "GATE_REASON" in header and "RUN_ID" in header
+    assert header[:2] == ["MODEL", "VERSION"] and header[-1] == "GATE_REASON" and "RUN_ID" in header
     assert all(len(row) == len(header) for row in rows) and len(rows) == 2
     v1 = dict(zip(header, rows[1], strict=True))
     assert v1["ALIASES"] == "production" and v1["PUBLISHED"].endswith("agent-tools-v1") and v1["GATE"] == ""

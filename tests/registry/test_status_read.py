@@ -73,15 +73,17 @@ def test_status_json_numbers_and_gate(registry_project, two_adapters, tiny_base)
     assert row["gate"] == {"verdict": "gated", "reason": reason}
     assert isinstance(row["eval_loss"], float) and row["eval_loss"] == 1.5
     assert isinstance(row["tokens_per_s"], (int, float)) and isinstance(row["version"], int)
-    r = CliRunner().invoke(app, ["status", name], env={**env, "COLUMNS": "300"})
-    assert r.exit_code == 0 and "gated: eval_loss 3.1000 is worse" in r.output
-    # ...and the version page in the MLflow UI: the description says it too
+    r = CliRunner().invoke(app, ["status", name], env=env)
+    assert r.exit_code == 0 and r.output.splitlines()[1].split()[4] == "gated"
+    r = CliRunner().invoke(app, ["status", name, "-o", "wide"], env=env)  # and why, in the last column
+    assert r.exit_code == 0 and r.output.splitlines()[1].endswith(reason)
+    # ...and the version page in the MLflow UI: the description's first line says it too
     mv = registry.client(cfg).get_model_version(name, "1")
-    assert mv.description.splitlines()[-1] == f"Gate: gated: {reason}"
+    assert mv.description.splitlines()[0] == f"GATED, stays candidate: {reason}"
     assert mv.tags["gate.verdict"] == "gated"
     registry.record_gate(cfg, name, 1, "pass", None)  # a later pass replaces the line
     mv = registry.client(cfg).get_model_version(name, "1")
-    assert mv.description.splitlines()[-1] == "Gate: pass" and "gated" not in mv.description
+    assert mv.description.splitlines()[0].startswith("candidate: ") and "GATED" not in mv.description
 
 
 def test_status_does_not_import_mlflow(registry_project, two_adapters, tiny_base):

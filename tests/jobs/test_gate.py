@@ -1,0 +1,113 @@
+"""The eval-loss gate compares honestly (issue 27 item 9): exact values, the same evaluation set, and a
+margin above the measured run-to-run spread of identical retrains."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from pipeline import registry
+from pipeline.config import ProjectConfig
+from pipeline.jobs.run import eval_loss_gate
+from pipeline.registry.versions import eval_set_digest
+from tests.support import registry_support
+from tests.support.helpers import REPO
+from tests.support.registry_support import adapter_with_manifest
+
+registry_project = registry_support.registry_project
+EVAL = registry.EVAL_SET_TAG
+
+
+def tags(loss: float | str, eval_set: str | None = "e" * 64) -> dict[str, str]:
+    t = {"eval_loss": loss if isinstance(loss, str) else repr(loss)}
+    if eval_set:
+        t[EVAL] = eval_set
+    return t
+
+
+def test_the_default_margin_is_above_the_spread_of_identical_retrains():
+    """Five identical tiny demos (seed 42) gave eval loss 6.2143-6.2348, a range of 0.0205 against the
+    old margin 0.02: an unchanged retrain was gated by noise. The margin must clear the worst case
+    measured (the issue's range and benchmarks/eval_noise.py's) with room for runs not seen."""
+    margin = ProjectConfig().run.eval_loss_margin
+    measured = [6.2348 - 6.2143]
+    results = REPO / "benchmarks" / "results" / "eval_noise.json"
+    if results.exists():
+        measured.append(json.loads(results.read_text())["summary"]["range"])
+    assert margin >= 2 * max(measured), (margin, measured)
+    # an unchanged retrain at the top of the measured range passes; a real regression does not
+    assert eval_loss_gate(tags(6.2348), tags(6.2143), margin, 1) is None
+    assert eval_loss_gate(tags(6.2143 + margin + 0.001), tags(6.2143), margin, 1) is not None
+
+
+def test_the_reason_states_the_exact_values_it_compared():
+    """The same gated version showed 6.8877 and then 6.8880 in its reason (the second from a tag rounded
+    to 4 digits): both numbers come from the exact tags now, and say the difference."""
+    why = eval_loss_gate(tags(6.887712478637695), tags(6.81234), 0.05, 3)
+    assert why == (
+        "eval_loss 6.887712478637695 is worse than production v3's 6.81234 by 0.0753725, "
+        "more than run.eval_loss_margin 0.05"
+    )
+    assert eval_loss_gate(tags(6.887712478637695), tags(6.81234), 0.08, 3) is None
+
+
+def test_losses_on_different_evaluation_sets_are_not_compared():
+    why = eval_loss_gate(tags(1.0, "a" * 64), tags(5.0, "b" * 64), 0.05, 2)
+    assert why.startswith("eval_loss not comparable: evaluated on validation set aaaaaaaaaaaa")
+    assert eval_loss_gate(tags(9.0, "a" * 64), tags(5.0, "b" * 64), 0.05, 2).startswith(
+        "eval_loss not comparable"
+    )
+    # a production version registered before the set was recorded: compared as before
+    assert eval_loss_gate(tags(5.01, "a" * 64), tags(5.0, None), 0.05, 2) is None
+    assert eval_loss_gate({}, tags(5.0), 0.05, 2).startswith("candidate has no eval_loss")
+    assert eval_loss_gate(tags(5.0), {}, 0.05, 2) is None
+
+
+def test_registered_metrics_are_exact_and_name_the_evaluation_set(registry_project, tiny_base, tmp_path):
+    """The registry kept `eval_loss` as 4 significant digits ('6.888'); the gate then compared a rounded
+    production loss with an exact candidate. Siblings: train_loss and tokens_per_s."""
+    from pipeline.validate import validate_adapter
+
+    cfg = registry_project
+    d = adapter_with_manifest(tiny_base, tmp_path / "a", seed=3, eval_loss=6.887712478637695)
+    m = json.loads((d / "manifest.json").read_text())
+    m["dataset"]["files"] = [
+        {"path": "v.jsonl", "role": "validation", "sha256": "1" * 64},
+        {"path": "t.jsonl", "role": "train", "sha256": "2" * 64},
+    ]
+    m["metrics"]["tokens_per_s"] = 1234.5678
+    (d / "manifest.json").write_text(json.dumps(m))
+    name = f"exact-{uuid.uuid4().hex[:6]}"
+    reg = registry.register_adapter(cfg, d, name, validate_adapter(d, tiny_base).to_dict())
+    t = registry.resolve_version(cfg, name, version=reg.version).tags
+    assert float(t["eval_loss"]) == 6.887712478637695 and t["eval_loss"] == "6.887712478637695"
+    assert float(t["train_loss"]) == 6.887712478637695 + 0.1 and t["tokens_per_s"] == "1234.5678"
+    assert t[EVAL] == eval_set_digest(m) and len(t[EVAL]) == 64
+    m["dataset"]["files"][1]["sha256"] = "3" * 64  # another training set: the same evaluation set
+    assert eval_set_digest(m) == t[EVAL]
+    m["dataset"]["files"][0]["sha256"] = "4" * 64
+    assert eval_set_digest(m) != t[EVAL]
+
+
+@pytest.mark.parametrize("ratio, passes", [(0.79996, False), (0.80004, True)])
+def test_the_canary_floor_compares_the_exact_ratio(ratio, passes):
+    """Sibling: the canary's speed ratio was stored rounded to 4 decimals, so 0.79996 passed a floor of
+    0.8 in publish's canary gate."""
+    from types import SimpleNamespace
+
+    from pipeline.canary.record import gate, summary_tags
+    from pipeline.errors import CheckFailed
+    from tests.canary.test_canary_units import _result
+
+    res = _result(1.0, 0.0, 1.0, 0.0, quantized=False)
+    res.speed_ratio = ratio
+    mv = SimpleNamespace(name="a", version=1, tags=summary_tags(res))
+    cfg = ProjectConfig()
+    cfg.canary.min_speed_ratio = 0.8
+    if passes:
+        gate(cfg, mv)
+    else:
+        with pytest.raises(CheckFailed, match="speed_ratio 0.800 is below canary.min_speed_ratio 0.8"):
+            gate(cfg, mv)

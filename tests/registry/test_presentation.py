@@ -1,0 +1,73 @@
+"""What the MLflow UI shows first (issue 27 item 10): a version's headline, the model's summary tags and
+description, rewritten from the registry's state after every change. The browser test
+(test_registry_ui.py) checks the same on the pages."""
+
+from __future__ import annotations
+
+import uuid
+
+from pipeline import registry
+from pipeline.registry.presentation import body, headline, model_summary
+from pipeline.release.publish import publish
+from tests.support import registry_support
+from tests.support.registry_support import register
+
+registry_project = registry_support.registry_project
+two_adapters = registry_support.two_adapters
+
+
+def test_headline_answers_first():
+    assert headline({"validation.verdict": "fail"}).startswith("NOT SHIPPABLE: validation fail")
+    gated = {"validation.verdict": "pass", "gate.verdict": "gated", "gate.reason": "eval_loss 7.1 is worse"}
+    assert headline(gated) == "GATED, stays candidate: eval_loss 7.1 is worse"
+    shipped = {"validation.verdict": "pass", "published.path": "/vol/a-v1", "published.time": "T"}
+    assert headline(shipped) == "PUBLISHED to /vol/a-v1 at T"
+    assert headline({"validation.verdict": "pass"}).startswith("candidate: validation pass, not published")
+    # the facts paragraph survives a new headline; the `Gate:` lines of older versions go
+    assert body("GATED, stays candidate: x\n\nLoRA r=8 ...\nGate: gated: x") == "LoRA r=8 ..."
+    assert (
+        body("LoRA r=8 ... (registered by an older pipeline)")
+        == "LoRA r=8 ... (registered by an older pipeline)"
+    )
+
+
+def test_model_summary_names_production_even_when_a_candidate_is_newer():
+    """The model list shows one alias and hides `production` behind "+2": the tags column says it."""
+    tags, text = model_summary(
+        "a",
+        {"production": 1, "candidate": 2, "previous": 0},
+        {1: {"published.path": "/vol/a-v1"}, 2: {"gate.verdict": "gated", "gate.reason": "worse"}},
+    )
+    assert tags == {"production": "v1", "production.path": "/vol/a-v1", "candidate": "v2 gated"}
+    lines = text.splitlines()
+    assert lines[0] == "production: v1, published to /vol/a-v1" and lines[1] == "candidate: v2, gated: worse"
+    assert "pipeline promote a VERSION" in text and "'Promote model' button" in text
+    assert model_summary("a", {"candidate": 1}, {1: {}})[0] == {"candidate": "v1"}
+
+
+def test_the_registry_keeps_them_current(registry_project, two_adapters, tiny_base):
+    cfg = registry_project
+    name = f"ui-{uuid.uuid4().hex[:6]}"
+    register(cfg, two_adapters[0], tiny_base, name)
+    c = registry.client(cfg)
+    assert c.get_model_version(name, "1").description.startswith("candidate: validation pass")
+    assert c.get_registered_model(name).tags == {"candidate": "v1"}
+    pub = publish(cfg, name, version=1)
+    first = c.get_model_version(name, "1").description.splitlines()
+    assert (
+        first[0].startswith(f"PUBLISHED to {pub.path} at ")
+        and first[1] == ""
+        and first[2].startswith("LoRA r=8")
+    )
+    register(cfg, two_adapters[1], tiny_base, name)
+    registry.record_gate(cfg, name, 2, "gated", "eval_loss 9.0 is worse than production v1's 1.5")
+    rm = c.get_registered_model(name)
+    assert rm.tags == {"production": "v1", "production.path": str(pub.path), "candidate": "v2 gated"}
+    assert rm.description.startswith(
+        f"production: v1, published to {pub.path}\ncandidate: v2, gated: eval_loss 9.0"
+    )
+    assert c.get_model_version(name, "2").description.startswith("GATED, stays candidate: eval_loss 9.0")
+    publish(cfg, name, version=2)  # promoted by hand after all
+    rm = c.get_registered_model(name)
+    assert rm.tags["production"] == "v2" and "candidate" not in rm.tags
+    assert "previous: v1" in rm.description
