@@ -304,6 +304,28 @@ def unknown_field(ctx: AdapterFacts):
 
 
 @check(
+    "config.weight_tying",
+    "error",
+    "`ensure_weight_tying` on a base whose word embeddings are not tied (`tie_word_embeddings` false): peft "
+    "ties nothing (a warning at training time), the embed_tokens / lm_head adapters are not what the config says",
+)
+def weight_tying(ctx: AdapterFacts):
+    if not ctx.cfg.raw.get("ensure_weight_tying"):
+        return
+    base = ctx.base
+    tied = base.config.get("tie_word_embeddings", base.text_config.get("tie_word_embeddings", False))
+    if not tied:
+        yield Issue(
+            f"ensure_weight_tying is true but the base {base.path} has tie_word_embeddings false: peft found no tied "
+            "modules and tied nothing (peft/tuners/tuners_utils.py warns), so an adapter meant to adapt the tied "
+            "embed_tokens/lm_head pair adapts only the module(s) named in target_modules, and vLLM serves exactly "
+            "that; retrain with ensure_weight_tying false and both embed_tokens and lm_head targeted if both should "
+            "change",
+            ctx.where_config,
+        )
+
+
+@check(
     "config.target_parameters",
     "error",
     "`target_parameters` set (parameter LoRA for MoE experts: the "

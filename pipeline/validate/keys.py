@@ -101,8 +101,8 @@ def embedding(ctx: AdapterFacts):
     for m in ctx.live():
         if m.head not in EMBEDDING_MODULES:
             continue
-        ctx.reject(m)
         if not ctx.rules.allow_embedding_targets:
+            ctx.reject(m)
             yield Issue(
                 f"{m.module} LoRA: the fleet does not serve embedding/lm_head adapters (fleet.allow_embedding_targets): "
                 "retrain without it in lora_target_modules",
@@ -112,13 +112,53 @@ def embedding(ctx: AdapterFacts):
         try:
             rng = ctx.vllm
         except Unavailable:
+            ctx.reject(m)
             continue
         if not rng.embedding_lora:
+            ctx.reject(m)
             yield Issue(
                 f"{m.module} LoRA: vLLM {ctx.rules.vllm_version} ({rng.name}) has no embedding LoRA for Qwen3.5 "
                 "(empty embedding_modules): retrain without it, or upgrade the fleet to 0.32+",
                 _where(ctx, m),
             )
+
+
+@check(
+    "keys.embedding_shape",
+    "error",
+    "served embed_tokens/lm_head LoRA whose shapes do not fit the base's vocabulary and hidden size "
+    "(`lora_embedding_A` [r, vocab], `lora_embedding_B` [hidden, r]; lm_head `lora_A` [r, hidden], "
+    "`lora_B` [vocab, r]): vLLM raises at load (lora/lora_model.py) or applies part of it",
+)
+def embedding_shape(ctx: AdapterFacts):
+    """vllm/lora/lora_model.py from_lora_tensors (0.32+): `lora_embedding_A` whose shape[1] differs from the
+    model's vocabulary raises RuntimeError at load; an lm_head `lora_B` of another vocabulary does not fit
+    the logits wrapper's buffers (lora/layers/logits_processor.py)."""
+    found = [m for m in ctx.live() if m.head in EMBEDDING_MODULES]
+    for m in found:
+        ctx.reject(m)  # no decoder-layer module: the later module/shape checks do not apply
+    base = ctx.base
+    vocab = base.text_config.get("vocab_size")
+    emb = base.modules.get("embed_tokens")
+    hidden = base.text_config.get("hidden_size") or (emb.shape[1] if emb is not None else None)
+    for m in found:
+        if m.a is None or m.b is None:
+            continue
+        a, b = list(m.a.shape), list(m.b.shape)
+        if m.head == "embed_tokens":
+            want_a, want_b = [a[0] if a else None, vocab], [hidden, b[1] if len(b) == 2 else None]
+            names = ("lora_embedding_A", "lora_embedding_B")
+        else:
+            want_a, want_b = [a[0] if a else None, hidden], [vocab, b[1] if len(b) == 2 else None]
+            names = ("lora_A", "lora_B")
+        for name, have, want in ((names[0], a, want_a), (names[1], b, want_b)):
+            if len(have) != 2 or have != want:
+                yield Issue(
+                    f"{m.module} {name} is {have} but the base has vocabulary {vocab} and hidden size {hidden} "
+                    f"(expected {want}): vLLM refuses or mis-applies it at load (the embedding LoRA must match the "
+                    "served vocabulary); retrain on this base's tokenizer without added tokens",
+                    f"{ctx.wfile}:{m.module}",
+                )
 
 
 @check("keys.mtp", "error", "`mtp.*` LoRA (vLLM's MTP drafter has none: loads, never applied)")

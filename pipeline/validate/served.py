@@ -170,3 +170,59 @@ def nvfp4_gdn_scales(ctx: AdapterFacts):
             "have measured the fleet's outputs",
             str(served.path / "hf_quant_config.json"),
         )
+
+
+MTP_PREFIX = (
+    "mtp."  # vllm/model_executor/models/qwen3_5_mtp.py load_weights: `name.startswith("mtp.")`, every range
+)
+
+
+@check(
+    "served.mtp",
+    "error",
+    "the fleet drafts with MTP (`fleet.speculative_mtp`) but the served checkpoint's MTP layer is not where "
+    "vLLM's drafter reads it (`mtp.*` at the top level: none at all, under a prefix such as "
+    "`model.language_model.mtp.`, or layers/`mtp.fc` missing)",
+)
+def mtp(ctx: AdapterFacts):
+    """vLLM's Qwen3.5 MTP drafter loads only tensors whose name starts with `mtp.` (renamed to `model.`) and
+    skips the rest; its `num_mtp_layers` is `mtp_num_hidden_layers` (default 1). A drafter whose weights
+    were never loaded proposes garbage: output stays exact (verification) but speculative decoding buys
+    nothing, or the loader refuses uninitialised weights."""
+    served = ctx.served
+    if not ctx.rules.speculative_mtp or not str(served.config.get("model_type", "")).startswith("qwen3_5"):
+        return
+    names = list(served.tensors)
+    top = [n for n in names if n.startswith(MTP_PREFIX)]
+    under = [n for n in names if ".mtp." in n and not n.startswith(MTP_PREFIX)]
+    misplaced = sorted({n[: n.index(".mtp.") + 1] for n in under})
+    where = str(served.path)
+    fix = "fleet.speculative_mtp: false if the instances run without --speculative-config method mtp"
+    if misplaced:
+        yield Issue(
+            f"the MTP layer is stored under {misplaced[0]}mtp.* ({len(under)} tensors): vLLM's MTP drafter reads only tensors named mtp.* (qwen3_5_mtp.py load_weights) and would "
+            f"draft with uninitialised weights; re-export the checkpoint with the MTP layer at the top level (mtp.*), "
+            f"or set {fix}",
+            where,
+        )
+        return
+    if not top:
+        yield Issue(
+            "the served checkpoint has no mtp.* tensors, but the fleet drafts with its MTP layer "
+            "(fleet.speculative_mtp; vLLM's drafter loads mtp.* only): serve the checkpoint with its MTP layer "
+            f"(the NVFP4 export keeps mtp.* unquantized), or set {fix}",
+            where,
+        )
+        return
+    want = int(served.text_config.get("mtp_num_hidden_layers", 1) or 1)
+    have = {int(n.split(".")[2]) for n in top if n.startswith("mtp.layers.") and n.split(".")[2].isdigit()}
+    missing = [f"mtp.layers.{i}" for i in range(want) if i not in have]
+    if not any(n.startswith("mtp.fc.") for n in top):
+        missing.append("mtp.fc")
+    if missing:
+        yield Issue(
+            f"the served checkpoint declares {want} MTP layer(s) (mtp_num_hidden_layers) but has no tensors for "
+            f"{missing}: vLLM's drafter would run those with uninitialised weights; re-export the checkpoint with "
+            f"its whole MTP layer, or set {fix}",
+            where,
+        )

@@ -60,6 +60,17 @@ def _add_pair(module: str, a_shape, b_shape):
     return fn
 
 
+def _add_raw_pair(module: str, a_kind: str, a_shape, b_kind: str, b_shape):
+    """A PEFT embedding pair: `<module>.lora_embedding_A` / `_B` (no `.weight`, as peft saves them)."""
+    import torch
+
+    def fn(t):
+        t[f"base_model.model.{module}.{a_kind}"] = torch.randn(a_shape)
+        t[f"base_model.model.{module}.{b_kind}"] = torch.randn(b_shape)
+
+    return fn
+
+
 def _set(name: str, fn_value):
     def fn(t):
         t[name] = fn_value(t[name])
@@ -207,6 +218,21 @@ def _served_copy(env, name, fn):
         shutil.copytree(env.served, out)
         fn(out)
     return out
+
+
+def _served_tensors(fn):
+    """Rewrite the served checkpoint's single shard (and its index) through `fn(tensors) -> tensors`."""
+
+    def edit(d):
+        from safetensors.torch import load_file, save_file
+
+        t = fn(load_file(str(d / "model.safetensors")))
+        save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+        idx = json.loads((d / "model.safetensors.index.json").read_text())
+        idx["weight_map"] = {k: "model.safetensors" for k in t}
+        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+    return edit
 
 
 def _corrupt_tokenizer_json(d):
@@ -546,6 +572,46 @@ CASES = [
         ["no embedding LoRA", "0.19"],
         {},
     ),
+    # issue 25.8: where the fleet serves embedding LoRA (0.32+), the vocabulary must match (vLLM raises at load);
+    # siblings: lm_head lora_B of another vocabulary, lora_embedding_B of another hidden size
+    (
+        "keys.embedding_shape",
+        "error",
+        (
+            "tensors",
+            _add_raw_pair("model.embed_tokens", "lora_embedding_A", (8, 1026), "lora_embedding_B", (128, 8)),
+        ),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["lora_embedding_A is [8, 1026]", "vocabulary 1024"],
+        {},
+    ),
+    (
+        "keys.embedding_shape",
+        "error",
+        ("tensors", _add_pair("lm_head", (8, 128), (1026, 8))),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["lm_head lora_B is [1026, 8]"],
+        {},
+    ),
+    (
+        "keys.embedding_shape",
+        "error",
+        (
+            "tensors",
+            _add_raw_pair("model.embed_tokens", "lora_embedding_A", (8, 1024), "lora_embedding_B", (64, 8)),
+        ),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["lora_embedding_B is [64, 8]"],
+        {},
+    ),
+    (
+        "config.weight_tying",
+        "error",
+        ("config", {"ensure_weight_tying": True}),
+        {},
+        ["tie_word_embeddings false", "tied nothing"],
+        {},
+    ),
     (
         "keys.mtp",
         "error",
@@ -759,6 +825,42 @@ CASES = [
         ("dir", lambda d, e: _without_modules(d, ("in_proj_qkv", "in_proj_z"))),
         _served_nvfp4("0.19.1"),
         ["every request", "no adapter change"],
+        {},
+    ),
+    # issue 25.6: the drafter reads mtp.* only; siblings: no MTP tensors at all, the MTP layer without mtp.fc
+    (
+        "served.mtp",
+        "error",
+        None,
+        _served_with(
+            "mtp-vl-prefix",
+            _served_tensors(
+                lambda t: {
+                    ("model.language_model." + k if k.startswith("mtp.") else k): v for k, v in t.items()
+                }
+            ),
+        ),
+        ["model.language_model.mtp.*", "reads only tensors named mtp.*"],
+        {},
+    ),
+    (
+        "served.mtp",
+        "error",
+        None,
+        _served_with(
+            "mtp-none", _served_tensors(lambda t: {k: v for k, v in t.items() if not k.startswith("mtp.")})
+        ),
+        ["no mtp.* tensors", "fleet.speculative_mtp"],
+        {},
+    ),
+    (
+        "served.mtp",
+        "error",
+        None,
+        _served_with(
+            "mtp-nofc", _served_tensors(lambda t: {k: v for k, v in t.items() if not k.startswith("mtp.fc.")})
+        ),
+        ["['mtp.fc']"],
         {},
     ),
     ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 512}, ["512", "#22782"], {}),

@@ -467,3 +467,36 @@ def test_gdn_partial_loads_where_vllm_handles_it(adapter, env, keep, version):
     rep = validate_adapter(adapter, env.tiny_vl_base, FleetRules(vllm_version=version))
     assert "keys.gdn_partial" not in ids(rep)
     assert rep.passed, [(c.id, c.message) for c in rep.errors]
+
+
+def test_embedding_lora_that_fits_passes_where_the_fleet_serves_it(adapter, tiny_vl_base):
+    """No false alarm (issue 25.8): embed_tokens + lm_head LoRA of the base's vocabulary on 0.32 with
+    fleet.allow_embedding_targets."""
+    import torch
+
+    def add(t):
+        t["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.randn(8, 1024).bfloat16()
+        t["base_model.model.model.embed_tokens.lora_embedding_B"] = torch.randn(128, 8).bfloat16()
+        t["base_model.model.lm_head.lora_A.weight"] = torch.randn(8, 128).bfloat16()
+        t["base_model.model.lm_head.lora_B.weight"] = torch.randn(1024, 8).bfloat16()
+
+    edit_tensors(adapter, add)
+    rules = FleetRules(allow_embedding_targets=True, vllm_version=NEW)
+    rep = validate_adapter(adapter, tiny_vl_base, rules)
+    assert not {"keys.embedding", "keys.embedding_shape", "keys.module"} & ids(rep), [
+        c.message for c in rep.checks
+    ]
+
+
+def test_served_checkpoint_without_mtp_passes_a_fleet_that_does_not_draft(
+    adapter, tiny_vl_base, served, tmp_path
+):
+    from tests.validate.cases import _served_tensors
+
+    d = Path(shutil.copytree(served, tmp_path / "no-mtp"))
+    _served_tensors(lambda t: {k: v for k, v in t.items() if not k.startswith("mtp.")})(d)
+    assert "served.mtp" in ids(
+        validate_adapter(adapter, tiny_vl_base, FleetRules(served_path=d, vllm_version=NEW))
+    )
+    rules = FleetRules(served_path=d, vllm_version=NEW, speculative_mtp=False)
+    assert validate_adapter(adapter, tiny_vl_base, rules).passed
