@@ -78,6 +78,35 @@ class ModuleEntry:
         return self.a.shape[0] if self.a is not None and len(self.a.shape) == 2 else None
 
 
+# Machine epsilon (gap between 1 and the next value) of the dtypes the engine computes in.
+EFFECT_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
+BASE_SAMPLE_ROWS = 16
+
+
+def sampled_frobenius(path: Path, info: TensorInfo, rows: int = BASE_SAMPLE_ROWS) -> float | None:
+    """||W||_F of a 2-D bf16/fp16/fp32 tensor estimated from `rows` rows spread evenly over it."""
+    import numpy as np
+
+    out_f, in_f = info.shape
+    per = {"BF16": 2, "F16": 2, "F32": 4}[info.dtype]
+    picks = sorted({int(i) for i in np.linspace(0, out_f - 1, min(rows, out_f))})
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+    except (OSError, ValueError):
+        return None
+    sq = 0.0
+    for i in picks:
+        raw = np.asarray(data[i * in_f * per : (i + 1) * in_f * per])
+        if info.dtype == "BF16":
+            v = np.zeros(in_f, dtype=np.float32)
+            v.view(np.uint16)[1::2] = raw.view(np.uint16)
+        else:
+            v = raw.view(np.float16 if info.dtype == "F16" else np.float32).astype(np.float32)
+        v = v[np.isfinite(v)].astype(np.float64)
+        sq += float(v @ v)
+    return (sq / len(picks) * out_f) ** 0.5 if picks else None
+
+
 @dataclass(frozen=True)
 class WeightsState:
     """The weights file: state ok | missing | pickle | ambiguous | not_file | unreadable | header | empty."""
@@ -353,6 +382,40 @@ class Context(CheckpointFacts, TemplateFacts):
             a, b = self.values(m.a).astype("float64"), self.values(m.b).astype("float64")
             sq = float(((b.T @ b) * (a @ a.T)).sum())
             out[m.peft_module] = abs(self.scale(m)) * math.sqrt(max(sq, 0.0))
+        return out
+
+    @cached_property
+    def serving_dtype(self) -> str:
+        """The dtype the engine computes module outputs in: the served (else base) checkpoint's `torch_dtype`
+        / `dtype` (vLLM --dtype auto; NVFP4 checkpoints compute in bf16), bfloat16 when neither says."""
+        for ck in (self.served_fact.value, self.base_fact.value):
+            if ck is not None:
+                d = (
+                    ck.config.get("torch_dtype")
+                    or ck.config.get("dtype")
+                    or ck.text_config.get("torch_dtype")
+                )
+                if isinstance(d, str) and d in EFFECT_EPS:
+                    return d
+        return "bfloat16"
+
+    @cached_property
+    def relative_effect(self) -> dict[str, float]:
+        """{peft module: ||scale * B @ A||_F / ||W||_F} against the bf16 base weight W of the module.
+
+        ||W||_F is estimated from `BASE_SAMPLE_ROWS` rows spread over W ([out, in], row RMS x sqrt(out)):
+        a few hundred KB per module instead of the whole base. Modules whose base weight is not a readable
+        float matrix, or is all zero, are left out."""
+        out = {}
+        base = self.base
+        for m in self.live():
+            n = self.update_norms.get(m.peft_module)
+            info = base.modules.get(m.module)
+            if n is None or info is None or len(info.shape) != 2 or info.dtype not in ALLOWED_DTYPES:
+                continue
+            w = sampled_frobenius(base.path / info.file, info)
+            if w:
+                out[m.peft_module] = n / w
         return out
 
     # -- tokenizer and template (TemplateFacts) ---------------------------------------------------------------------

@@ -12,13 +12,19 @@ import statistics
 
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.artifacts.safetensors import DTYPE_BYTES, raw_header
-from pipeline.validate.facts import AdapterFacts
+from pipeline.validate.context import EFFECT_EPS
+from pipeline.validate.facts import AdapterFacts, Unavailable
 from pipeline.validate.keys import ranges
 from pipeline.validate.rules import Issue, check
 
 NORM_OUTLIER = 10.0  # x the median update norm of the same module type
 SIZE_BAND = (0.5, 2.0)  # weights file / expected bytes
-NO_EFFECT = 1e-12  # an update norm below this changes nothing
+NO_EFFECT = 1e-12  # an update norm below this is zero
+# Relative to the base weight (||scale·B·A||_F / ||W||_F), in units of the serving dtype's machine epsilon
+# (docs/validation.md "No effect"): below ERROR_BAND x eps almost no output element changes by one ulp,
+# below WARN_BAND x eps most of the update is rounded away.
+ERROR_BAND = 2.0**-10
+WARN_BAND = 2.0**-6
 
 
 def _numel(shape) -> int:
@@ -40,37 +46,100 @@ def nonfinite(ctx: AdapterFacts):
         )
 
 
+def _bands(ctx: AdapterFacts) -> tuple[float, float, float]:
+    """(machine epsilon, error band, warning band) of the serving dtype (docs/validation.md "No effect")."""
+    eps = EFFECT_EPS[ctx.serving_dtype]
+    return eps, eps * ERROR_BAND, eps * WARN_BAND
+
+
+def _dead(ctx: AdapterFacts) -> tuple[dict[str, float], dict[str, float]]:
+    """({module: relative effect} below the error band (0 for an exact zero), {module: effect} in the warning band)."""
+    norms = ctx.update_norms
+    try:
+        rel = ctx.relative_effect
+    except Unavailable:  # no base: only an exact zero is known to change nothing
+        rel = {}
+    _, err, warn = _bands(ctx)
+    dead = {m: rel.get(m, 0.0) for m, n in norms.items() if n < NO_EFFECT or rel.get(m, 1.0) < err}
+    weak = {m: r for m, r in rel.items() if m not in dead and r < warn}
+    return dead, weak
+
+
 @check(
     "values.untrained",
     "error",
-    "no module changes the output (every `scale x ||B·A||` is 0: all lora_B or lora_A zero, `lora_alpha` 0)",
+    "no module changes what the engine computes: every `scale x ||B·A||` is 0 (all lora_B or lora_A zero, "
+    "`lora_alpha` 0), or below the serving dtype's resolution relative to the base weights",
 )
 def untrained(ctx: AdapterFacts):
     norms = ctx.update_norms
-    if norms and all(n < NO_EFFECT for n in norms.values()):
-        alpha = ctx.config_fact.value.lora_alpha if ctx.config_fact.known and not ctx.cfg.problems else None
+    if not norms:
+        return
+    dead, _ = _dead(ctx)
+    if len(dead) < len(norms):
+        return
+    if all(n < NO_EFFECT for n in norms.values()):
+        fact = ctx.config_fact
+        alpha = fact.value.lora_alpha if fact.known and not fact.value.problems else None
         why = "lora_alpha is 0" if alpha == 0 else "every lora_B (or lora_A) is zero"
         yield Issue(
             f"the adapter changes nothing: {why}, so scale x ||B·A|| is 0 on all {len(norms)} modules; check that "
             "training ran steps and saved the final adapter",
             str(ctx.wfile),
         )
+        return
+    eps, err, _ = _bands(ctx)
+    top = max(dead.values())
+    yield Issue(
+        f"the adapter changes nothing the engine can represent: on all {len(norms)} modules ||scale·B·A|| / ||W|| "
+        f"is at most {top:.2g}, below {err:.2g} ({ERROR_BAND:g} x {ctx.serving_dtype}'s epsilon {eps:.3g}): the "
+        "update is rounded away when vLLM adds it to the base output; lora_B was scaled down or barely trained: "
+        "re-save from the final checkpoint or retrain",
+        str(ctx.wfile),
+    )
 
 
-@check("values.no_effect", "error", "some modules change nothing (`scale x ||B·A||` = 0) while others do")
+@check(
+    "values.no_effect",
+    "error",
+    "some modules change nothing (`scale x ||B·A||` = 0, or below the serving dtype's resolution relative "
+    "to the base weight) while others do; a module in the band above it is a warning",
+    severity_doc="error (warning in the weak band: docs/validation.md 'No effect')",
+)
 def no_effect(ctx: AdapterFacts):
     norms = ctx.update_norms
-    dead = sorted(m for m, n in norms.items() if n < NO_EFFECT)
-    if dead and len(dead) < len(norms):
+    dead, weak = _dead(ctx)
+    eps, err, warn = _bands(ctx)
+
+    def listed(ms):
         by_sub: dict[str, list[int]] = {}
         for m in ctx.live():
-            if m.peft_module in dead and m.layer is not None:
+            if m.peft_module in ms and m.layer is not None:
                 by_sub.setdefault(m.sub, []).append(m.layer)
-        listed = "; ".join(f"{sub} on layers {ranges(ls)}" for sub, ls in sorted(by_sub.items())) or dead[:5]
+        return (
+            "; ".join(f"{sub} on layers {ranges(ls)}" for sub, ls in sorted(by_sub.items())) or sorted(ms)[:5]
+        )
+
+    if dead and len(dead) < len(norms):
+        zero = all(norms[m] < NO_EFFECT for m in dead)
+        what = (
+            "a zero update (lora_A or lora_B all zero)"
+            if zero
+            else f"an update below {err:.2g} of the base weight's norm ({ctx.serving_dtype} rounds it away)"
+        )
         yield Issue(
-            f"{len(dead)} of {len(norms)} modules have a zero update (lora_A or lora_B all zero): {listed}; those "
-            "modules were never trained: re-save from the final checkpoint or retrain",
+            f"{len(dead)} of {len(norms)} modules have {what}: {listed(dead)}; those modules were never trained: "
+            "re-save from the final checkpoint or retrain",
             str(ctx.wfile),
+        )
+    if weak:
+        yield Issue(
+            f"{len(weak)} of {len(norms)} modules change the output by less than {warn:.2g} of the base weight's "
+            f"norm ({WARN_BAND:g} x {ctx.serving_dtype}'s epsilon {eps:.3g}): {listed(weak)}; most of their effect "
+            "is rounded away in serving (median ||ΔW||/||W|| "
+            f"{statistics.median(weak.values()):.2g}); check the learning rate and steps",
+            str(ctx.wfile),
+            "warning",
         )
 
 

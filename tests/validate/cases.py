@@ -86,6 +86,10 @@ def _zero(which: str, pred=lambda k: True):
     return lambda t: {k: (v * 0 if which in k and pred(k) else v) for k, v in t.items()}
 
 
+def _scale(which: str, factor: float, pred=lambda k: True):
+    return lambda t: {k: (v * factor if which in k and pred(k) else v) for k, v in t.items()}
+
+
 def _add(name: str, shape):
     import torch
 
@@ -899,6 +903,31 @@ CASES = [
         ("tensors", _zero("lora_A", lambda k: "self_attn.v_proj" in k)),
         {},
         ["self_attn.v_proj on layers 3"],
+        {},
+    ),
+    # issue 25.10: no effect relative to the base weight in the serving dtype (bf16), not an absolute 1e-12
+    (
+        "values.untrained",
+        "error",
+        ("tensors", _scale("lora_B", 1e-6)),
+        {},
+        ["changes nothing the engine can represent", "bfloat16"],
+        {},
+    ),
+    (
+        "values.no_effect",
+        "error",
+        ("tensors", _scale("lora_B", 1e-6, lambda k: "mlp.down_proj" in k)),
+        {},
+        ["4 of 25 modules have an update below", "mlp.down_proj on layers 0-3"],
+        {},
+    ),
+    (
+        "values.no_effect",
+        "warning",
+        ("tensors", _scale("lora_B", 1e-4, lambda k: "mlp.up_proj" in k)),
+        {},
+        ["rounded away in serving", "mlp.up_proj on layers 0-3"],
         {},
     ),
     (
