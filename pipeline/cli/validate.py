@@ -20,7 +20,8 @@ from pipeline.cli.render import (
     print_rows,
 )
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.validate import RULES, default_base, validate_with_config
+from pipeline.validate import default_base, validate_with_config
+from pipeline.validate.catalogue import catalogue
 
 app = typer.Typer()
 
@@ -166,7 +167,11 @@ def validate(
     ] = False,
     allow: Annotated[
         list[str] | None,
-        typer.Option("--allow", help="check id whose refusal to override, e.g. serving.version_unknown"),
+        typer.Option(
+            "--allow",
+            help="finding id whose refusal to override (reported as info, recorded in the verdict), e.g. "
+            "serving.version_unknown",
+        ),
     ] = None,
     as_json: JsonOption = False,
     output: OutputOption = None,
@@ -183,9 +188,9 @@ def validate(
         raise UsageError(f"{base}: base checkpoint directory not found")
     if served is not None and not served.is_dir():  # an explicit option, as --base (served.path: a finding)
         raise UsageError(f"{served}: served checkpoint directory not found")
-    unknown = sorted(set(allow or ()) - set(RULES))
+    unknown = sorted(set(allow or ()) - set(catalogue()))
     if unknown:
-        raise UsageError(f"--allow {unknown}: unknown check id (see docs/validation.md)")
+        raise UsageError(f"--allow {unknown}: unknown finding id (every id is in docs/validation.md)")
     if (base or default_base(cfg, adapter)) is None:
         raise UsageError("no base checkpoint: pass --base DIR or set base.path in pipeline.yaml")
     rep = validate_with_config(

@@ -1,24 +1,8 @@
 """Running one operation on every fleet instance at once, and the per-instance report it leaves.
 
-A report holds `pipeline.findings.Finding`s (ids below, `where` = the instance) and the actions
-taken. Finding ids of fleet operations (docs/fleet.md "Reports"):
-
-| id | severity | meaning |
-|---|---|---|
-| fleet.unreachable | error | connection refused or lost, connect timeout |
-| fleet.hung | error | accepted the connection, no answer within the timeout |
-| fleet.request_failed | error | an HTTP error status (load refused, unknown name ...) |
-| fleet.root_mismatch | error | after a load, `/v1/models` lists another path for the name |
-| fleet.canary_no_effect | error | greedy output through the adapter equals the base's |
-| fleet.version_mismatch | error | `GET /version` differs from `fleet.vllm_version` |
-| fleet.model_mismatch | error | the base card differs from `served.model` / `served.served_model_name` |
-| fleet.volume_missing | error | a desired version's directory is not on the volume |
-| fleet.restore_failed | error | undoing a failed rollout failed on this instance |
-| fleet.refused | error | the operation refused this instance (e.g. prune: still serves a version) |
-| fleet.behind | warning | publish completed without this instance (`fleet.min_healthy`) |
-| fleet.unknown | warning | a change was sent and not answered: what it serves is unknown |
-| fleet.cleanup_failed | warning | unloading an old version name failed |
-| fleet.swap | info/warning | the swap strategy in use and why |
+A report holds `pipeline.findings.Finding`s (`where` = the instance) and the actions taken. The finding ids
+of fleet operations, their severity and meaning are declared in `pipeline/validate/catalogue.py` (the one
+catalogue of finding ids; docs/validation.md "Findings of other commands" is generated from it).
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import CheckFailed, UsageError
+from pipeline.validate.catalogue import catalogue
 from pipeline.validate.report import FleetRules
 from pipeline.validate.rules import RULES
-from pipeline.validate.train_checks import TRAIN_IDS, check_training
+from pipeline.validate.train_checks import check_training
 
 # Short ids `pipeline train --allow` accepted before the rules were unified, mapped to the rule ids
 # (pipeline.validate: one rule set for `train` and `validate`, docs/validation.md).
@@ -32,10 +33,11 @@ LEGACY_ALLOW = {
     "targets": "config.required",
     "base_model": "train.base_model",
 }
-# Every id `--allow` may override: the train-scope rules (plus the legacy short ids), and the GPU preflight's
-# memory estimate (pipeline.train.preflight.logits_memory_problem).
+# Every id `--allow` accepts: every finding id of the catalogue (pipeline.validate.catalogue: the rules, dataset.*,
+# fleet.*, canary.*), the legacy short ids, and the GPU preflight's memory estimate
+# (pipeline.train.preflight.logits_memory_problem).
 ALLOWABLE = (
-    {i: RULES[i].doc for i in TRAIN_IDS}
+    {i: e.doc for i, e in catalogue().items()}
     | {k: RULES[v].doc for k, v in LEGACY_ALLOW.items()}
     | {"logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU"}
 )

@@ -137,6 +137,7 @@ def check_inputs(
         formats=formats,
         config=tc.data,
     )
+    report.findings = [f for f in report.findings if f.id not in allow]  # `--allow dataset.overlap` ...
     if not report.ok:
         shown = "\n  ".join(str(f) for f in report.errors[:30])
         more = f"\n  ... and {len(report.errors) - 30} more" if len(report.errors) > 30 else ""

@@ -67,6 +67,14 @@ def _stats(ctx: Context) -> None:
     _ = header
 
 
+def _allowed(rep: ValidationReport, allow: frozenset[str]) -> None:
+    """An error whose id `--allow` names is kept as info (the verdict records the allowed ids in `bound`)."""
+    for f in rep.findings:
+        if f.id in allow and f.severity == "error":
+            f.severity = "info"
+            f.message = f"allowed by --allow {f.id}: {f.message}"
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -131,7 +139,8 @@ def validate_adapter(
         fold_rslora: first rewrite an rsLoRA adapter_config.json in place to plain scaling
             (`pipeline.artifacts.normalise.fold_rslora`; warning `config.rslora_folded`, or error
             `config.rslora_parity` and nothing written if any module's scale would change).
-        allow: check ids whose refusal is overridden (`serving.version_unknown`).
+        allow: finding ids (`pipeline.validate.catalogue`) whose refusal is overridden: their errors are kept as
+            info and the ids are recorded in the verdict's `bound` (publish honours them when re-validating).
         require_base: no base is an error (`base.missing`).
 
     Raises UsageError only for a wrong option: a `training_config` given that is missing, not YAML
@@ -165,6 +174,7 @@ def validate_adapter(
         if on
     ]
     run(ctx, rep, options=opts)
+    _allowed(rep, options.allow)
     _stats(ctx)
     rep.bound = _bind(ctx)
     return rep
