@@ -335,3 +335,23 @@ def test_merge_refuses_what_validate_refuses(tiny_vl_base, adapter, tmp_path, ed
     assert r.exit_code == 1, r.output
     assert finding in r.output and "nothing written" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_bf16_adapter_one_gemm_path_equals_the_fp32_path(tiny_base, adapter, tmp_path):
+    """A bf16 adapter on a bf16 base is merged by one bf16 addmm per chunk (fp32 accumulation, one rounding):
+    the same bf16 weights as the fp32 path up to summation order."""
+    import torch
+    from safetensors.torch import load_file
+
+    bf = _edit_tensors(adapter, tmp_path / "bf16", lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
+    r16 = merge_adapter(bf, tiny_base, tmp_path / "m16", hash_files=False)
+    # the same (bf16-exact) factors in fp32 take the fp32 path
+    f32 = _edit_tensors(bf, tmp_path / "f32", lambda t: {k: v.float() for k, v in t.items()})
+    merge_adapter(f32, tiny_base, tmp_path / "m32", hash_files=False)
+    a = load_file(str(tmp_path / "m16" / "model.safetensors"))
+    b = load_file(str(tmp_path / "m32" / "model.safetensors"))
+    assert r16.merged and set(r16.merged) <= set(a)
+    for n in r16.merged:
+        x, y = a[n].float(), b[n].float()
+        assert (x != y).float().mean() < 1e-3, n
+        assert ((x - y).abs() <= y.abs() * 2**-7 + 1e-12).all(), n  # at most one bf16 ulp apart
