@@ -355,3 +355,13 @@ def test_bf16_adapter_one_gemm_path_equals_the_fp32_path(tiny_base, adapter, tmp
         x, y = a[n].float(), b[n].float()
         assert (x != y).float().mean() < 1e-3, n
         assert ((x - y).abs() <= y.abs() * 2**-7 + 1e-12).all(), n  # at most one bf16 ulp apart
+
+
+def test_shards_in_parallel_write_the_same_checkpoint(tiny_vl_base, adapter, tmp_path, monkeypatch):
+    """On a many-core host shards are merged at once (pipeline.merge.shard_workers): same bytes, same hashes."""
+    vl = rekey_adapter(adapter, tmp_path / "vl", to_vl)
+    one = merge_adapter(vl, tiny_vl_base, tmp_path / "serial")
+    monkeypatch.setattr("os.cpu_count", lambda: 9)  # 3 shards at once
+    par = merge_adapter(vl, tiny_vl_base, tmp_path / "parallel")
+    assert tensor_bytes(tmp_path / "serial") == tensor_bytes(tmp_path / "parallel")
+    assert one.manifest["files"] == par.manifest["files"] and sorted(one.merged) == sorted(par.merged)
