@@ -297,3 +297,51 @@ def test_fleet_rules_are_built_by_name_from_the_config():
     cfg = ProjectConfig()
     for field_name, (section, name) in PROFILE_SOURCES.items():
         assert name in type(getattr(cfg, section)).model_fields, (field_name, section, name)
+
+
+def test_read_manifest_returns_a_model():
+    """Issue 26: `manifest.json` is a type end to end; readers get `AdapterManifest` / `MergedManifest`."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from pipeline.artifacts import manifest
+
+    for fn in (manifest.read_manifest, manifest.read_adapter_manifest, manifest.parse_manifest):
+        ret = typing.get_type_hints(fn)["return"]
+        kinds = typing.get_args(ret) or (ret,)
+        assert kinds and all(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds), fn
+
+
+def _manifest_key_reads(tree: ast.AST) -> list[int]:
+    """Lines that read a manifest by string key: `manifest["files"]`, `man.get("published")`."""
+
+    def is_manifest(n: ast.AST) -> bool:
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else ""
+        return "manifest" in name.lower() or name in ("man", "amani")
+
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and is_manifest(n.value):
+            if isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str):
+                out.append(n.lineno)
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("get", "setdefault")
+        ):
+            if is_manifest(n.func.value):
+                out.append(n.lineno)
+    return out
+
+
+def test_no_module_reads_a_manifest_by_string_key():
+    bad = [f"{m}:{ln}" for m, p in _modules().items() for ln in _manifest_key_reads(ast.parse(p.read_text()))]
+    assert bad == []
+
+
+def test_the_manifest_key_detector_finds_key_reads():
+    src = (
+        'a = manifest["files"]\nb = res.manifest.get("x")\nc = man.setdefault("n", {})\nd = manifest.files\n'
+    )
+    assert _manifest_key_reads(ast.parse(src)) == [1, 2, 3]

@@ -22,6 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from pipeline.artifacts.manifest import AdapterManifest
 from pipeline.artifacts.safetensors import header_bytes
 
 # Keys of an axolotl config that do not change the trained weights: locations, bookkeeping,
@@ -131,19 +132,17 @@ def training_inputs(dataset_fingerprint: str, config: dict) -> dict:
     }
 
 
-def manifest_fingerprint(manifest: dict) -> str | None:
+def manifest_fingerprint(manifest: AdapterManifest) -> str | None:
     """The input fingerprint an adapter's manifest records (`inputs.fingerprint`).
 
     A manifest from before the `inputs` block falls back to its dataset fingerprint, raw
     `config_sha256` and base: stable, but it only matches adapters trained from the very same
     config text. None when the manifest lacks the dataset fingerprint.
     """
-    inputs = manifest.get("inputs") or {}
-    if inputs.get("fingerprint"):
-        return str(inputs["fingerprint"])
-    ds = (manifest.get("dataset") or {}).get("fingerprint")
-    if not ds:
+    if manifest.inputs.fingerprint:
+        return manifest.inputs.fingerprint
+    if not manifest.dataset.fingerprint:
         return None
-    b = manifest.get("base_model") or {}
-    ident = base_identity(b.get("id"), b.get("revision"), b.get("fingerprint"))
-    return inputs_fingerprint(str(ds), str(manifest.get("config_sha256") or ""), ident)
+    b = manifest.base_model
+    ident = base_identity(b.id, b.revision, b.fingerprint)
+    return inputs_fingerprint(manifest.dataset.fingerprint, manifest.config_sha256 or "", ident)

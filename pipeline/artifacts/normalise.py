@@ -35,7 +35,7 @@ from pipeline.artifacts.adapter import (
     read_adapter_config,
 )
 from pipeline.artifacts.atomic import write_json_atomic
-from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest
+from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_adapter_manifest, write_manifest
 from pipeline.artifacts.peft_match import ALL_LINEAR
 from pipeline.artifacts.safetensors import file_metadata, read_safetensors_header, write_safetensors
 from pipeline.errors import CheckFailed
@@ -115,12 +115,11 @@ def fold_rslora(adapter_dir: Path) -> FoldResult:
         raise ParityError(f"{cfg.path}: folding rsLoRA would change the scale of {bad[:5]}: left unchanged")
     write_json_atomic(cfg.path, new)
     if (adapter_dir / MANIFEST).exists():
-        man = read_manifest(adapter_dir)
-        man["files"] = file_hashes(adapter_dir)
-        man.setdefault("normalised", {})["rslora"] = {"before": res.old, "after": res.new}
-        if isinstance(man.get("adapter"), dict):
-            man["adapter"].update({k: new.get(k) for k in keys})
-        write_json_atomic(adapter_dir / MANIFEST, man)
+        man = read_adapter_manifest(adapter_dir)
+        man.files = file_hashes(adapter_dir)
+        man.normalised = {**(man.normalised or {}), "rslora": {"before": res.old, "after": res.new}}
+        man.adapter = man.adapter.model_copy(update={k: new.get(k) for k in keys})
+        write_manifest(adapter_dir, man)
     return res
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree
 from pipeline.artifacts.locks import try_lock
-from pipeline.artifacts.manifest import MANIFEST, read_manifest, verify_files
+from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest, verify_files
 from pipeline.artifacts.names import name_problem
 from pipeline.errors import VolumeError
 
@@ -297,13 +297,13 @@ def verify_version_dir(directory: Path, cache: bool = True) -> list[str]:
     if cache and _verified.get(key) == sig:
         return []
     try:
-        manifest = read_manifest(directory)
+        manifest = read_adapter_manifest(directory)
     except FileNotFoundError:
         return [f"{directory}/{MANIFEST}: missing (not written by the pipeline, or a partial copy)"]
     except (OSError, ValueError) as e:
         return [f"{directory}/{MANIFEST}: {e}"]
     try:
-        problems = verify_files(directory, manifest["files"])
+        problems = verify_files(directory, manifest.files)
     except OSError as e:
         return [f"{directory}: cannot read ({e})"]
     if cache and not problems:

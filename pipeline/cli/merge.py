@@ -10,10 +10,10 @@ from typing import Annotated
 import typer
 
 from pipeline import registry
-from pipeline.artifacts.manifest import read_manifest
+from pipeline.artifacts.manifest import MergeParity, read_adapter_manifest
 from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, project_config
 from pipeline.errors import UsageError
-from pipeline.merge import merge_adapter, merge_and_quantize, registered_version
+from pipeline.merge import merge_adapter, merge_and_quantize
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
 from pipeline.merge.quantize import load_calibration
 from pipeline.merge.served import MAX_LOGPROB_DIFF, MIN_AGREEMENT, ServedParityFailed, run_served_parity
@@ -90,9 +90,10 @@ def merge(
     target = {"name": name, "version": version} if name else None
     if target is None:
         try:
-            target = registered_version(read_manifest(adapter))
+            ref = read_adapter_manifest(adapter).registered_version()
         except (FileNotFoundError, ValueError):
-            target = None
+            ref = None
+        target = {"name": ref.name, "version": ref.version} if ref else None
     gate = parity_gate(base, adapter, dtype.value, parity.value)
     show = progress and sys.stderr.isatty() and not as_json
     try:
@@ -128,51 +129,50 @@ def merge(
             )
     except ParityFailed as e:
         if target:
-            _tag(target, {"parity": e.verdict}, out, explicit=name is not None)
+            _tag(target, parity_tags(out, MergeParity.model_validate(e.verdict)), name is not None)
         raise
     if target:
-        _tag(target, res.manifest, out, explicit=name is not None)
-    m, p = res.manifest["merge"], res.manifest["parity"]
-    q = res.manifest.get("quantization")
+        _tag(target, parity_tags(out, res.manifest.parity, res.manifest), name is not None)
+    m, p, q = res.manifest.merge, res.manifest.parity, res.manifest.quantization
     if as_json:
         return emit_json(
             {
                 "out": str(res.out),
-                "merge": m,
-                "parity": p,
-                "quantization": q,
+                "merge": m.model_dump(exclude_none=True),
+                "parity": p.model_dump(exclude_none=True),
+                "quantization": q.model_dump(exclude_none=True) if q else None,
                 "bytes_written": res.bytes_written,
                 "seconds": round(res.seconds, 3),
                 "tagged": target,
             }
         )
     detail = (
-        f"max |diff| {p['max_abs_diff']:.3g} <= {p['tolerance']:.3g}, greedy equal {p['greedy_equal']}, {p['seconds']} s"
-        if p["verdict"] != "skipped"
-        else p["reason"]
+        f"max |diff| {p.max_abs_diff:.3g} <= {p.tolerance:.3g}, greedy equal {p.greedy_equal}, {p.seconds} s"
+        if p.verdict != "skipped"
+        else p.reason
     )
     typer.echo(
-        f"merged {m['merged_modules']}/{m['lora_pairs']} LoRA modules into {res.out} "
+        f"merged {m.merged_modules}/{m.lora_pairs} LoRA modules into {res.out} "
         f"({res.bytes_written / 1e9:.2f} GB, {res.seconds:.1f} s, "
-        f"{res.bytes_written / 1e6 / max(res.seconds, 1e-9):.0f} MB/s); parity {p['verdict']}: {detail}"
+        f"{res.bytes_written / 1e6 / max(res.seconds, 1e-9):.0f} MB/s); parity {p.verdict}: {detail}"
     )
     if q:
         typer.echo(
-            f"quantized to {q['quant_algo']} with nvidia-modelopt {q['version']} on {q['device']} "
-            f"({len(q['exclude_modules'])} exclusions, {q['mtp_tensors']} mtp.* tensors kept, {q['seconds']} s); "
+            f"quantized to {q.quant_algo} with nvidia-modelopt {q.version} on {q.device} "
+            f"({len(q.exclude_modules)} exclusions, {q.mtp_tensors} mtp.* tensors kept, {q.seconds} s); "
             f"engine-side parity pending: serve {res.out} with --quantization modelopt --language-model-only, "
             "then `pipeline merge-parity`"
         )
 
 
-def _tag(target: dict, manifest: dict, out: Path, explicit: bool) -> None:
+def _tag(target: dict, tags: dict[str, str], explicit: bool) -> None:
     """Put the verdict on the MLflow version; a version named only by the adapter's manifest is best effort."""
     try:
         registry.set_version_tags(
             project_config(store="existing"),
             target["name"],
             int(target["version"]),
-            parity_tags(manifest, out),
+            tags,
         )
     except Exception as e:
         if explicit:

@@ -63,20 +63,20 @@ def train(
         launcher_args=list(ctx.args),
         show_progress=progress,
     )
-    m = res.manifest["metrics"]
+    m = res.manifest.metrics
     if as_json:
         emit_json(
             {
                 "adapter": str(res.adapter_dir),
                 "run_dir": str(res.run_dir),
                 "run_id": res.run_id,
-                "fingerprint": (res.manifest.get("inputs") or {}).get("fingerprint"),
-                "metrics": m,
+                "fingerprint": res.manifest.inputs.fingerprint,
+                "metrics": m.figures(),
                 "seconds": round(res.seconds, 3),
             }
         )
         return
     typer.echo(
-        f"adapter: {res.adapter_dir}\ntrain_loss {m.get('train_loss')}  eval_loss {m.get('eval_loss')}  "
-        f"tokens/s {m.get('tokens_per_s') or 0:.0f}  mfu {m.get('mfu')}  ({res.seconds:.1f} s)"
+        f"adapter: {res.adapter_dir}\ntrain_loss {m.train_loss}  eval_loss {m.eval_loss}  "
+        f"tokens/s {m.tokens_per_s or 0:.0f}  mfu {m.mfu}  ({res.seconds:.1f} s)"
     )

@@ -59,7 +59,7 @@ def run_demo(cfg: ProjectConfig, name: str, axolotl_config: Path) -> dict:
         "model version": f"{name} v{reg.version}",
         "aliases": "candidate, production",
         "validation": report.verdict,
-        "eval loss": res.manifest["metrics"].get("eval_loss"),
+        "eval loss": res.manifest.metrics.eval_loss,
         "published path": str(pub.path),
         "tracking uri": cfg.tracking_uri,
     }

@@ -35,7 +35,7 @@ from typing import Literal
 
 from pipeline import registry
 from pipeline.artifacts.fingerprint import training_inputs
-from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest
 from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
@@ -280,8 +280,8 @@ def run(
                 run_dir=run_dir,
             ).adapter_dir
         seconds["train"] = time.time() - t
-        manifest = read_manifest(adapter_dir)
-        out.run_id = manifest.get("mlflow_run_id")
+        manifest = read_adapter_manifest(adapter_dir)
+        out.run_id = manifest.mlflow_run_id
 
         t = time.time()
         out.stage = "validate"
@@ -290,13 +290,7 @@ def run(
 
         t = time.time()
         out.stage = "register"
-        again = (
-            None
-            if force
-            else _registered_weights(
-                cfg, name, manifest.get("files", {}).get("adapter_model.safetensors", "")
-            )
-        )
+        again = None if force else _registered_weights(cfg, name, manifest.weights_sha256)
         with shielded():  # a registration is completed (version, tags), never cut half-way
             if again is not None:  # registered by a run killed before it could tag the fingerprint
                 version = int(again.version)

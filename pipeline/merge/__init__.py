@@ -31,7 +31,19 @@ from pathlib import Path
 from pipeline.artifacts.adapter import WEIGHTS_FILE, load_adapter_config
 from pipeline.artifacts.atomic import fsync_dir, write_json_atomic
 from pipeline.artifacts.hashing import sha256_file
-from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions, read_manifest
+from pipeline.artifacts.manifest import (
+    MergedBase,
+    MergedFrom,
+    MergedManifest,
+    MergeStats,
+    Quantization,
+    Requantization,
+    ServedParity,
+    file_hashes,
+    package_versions,
+    read_adapter_manifest,
+    write_manifest,
+)
 from pipeline.merge.plan import INDEX, MergeError, MergeMismatch, MergePlan, plan_merge
 from pipeline.merge.quantize import modelopt_version, quantize_checkpoint
 from pipeline.merge.static import merge_refusals
@@ -47,14 +59,13 @@ __all__ = [
     "merge_adapter",
     "merge_and_quantize",
     "plan_merge",
-    "registered_version",
 ]
 
 
 @dataclass
 class MergeResult:
     out: Path
-    manifest: dict
+    manifest: MergedManifest
     seconds: float  # merge and write, without `finalize` (parity)
     bytes_written: int
     merged: list[str] = field(default_factory=list)
@@ -67,7 +78,6 @@ def merge_adapter(
     dtype: str = "bfloat16",
     progress: bool = False,
     hash_files: bool = True,
-    extra_manifest: dict | None = None,
     finalize=None,
     threads: int | None = 1,
     device: str = "auto",
@@ -81,9 +91,9 @@ def merge_adapter(
         hash_files: record the sha256 of every output file in the manifest (shards are hashed
             as they are written; untouched tensors then pass through a buffer instead of
             `copy_file_range`).
-        extra_manifest: merged into `manifest.json` (e.g. provenance from the caller).
-        finalize: optional callable(partial_dir, manifest) run before the manifest is written and
-            the directory renamed (the parity gate); it may add keys to `manifest` or raise to abort.
+        finalize: optional callable(partial_dir, manifest: MergedManifest) run before the manifest
+            is written and the directory renamed (the parity gate); it may set `manifest.parity` or
+            raise to abort.
         threads: torch intra-op threads while merging (None: torch's default). The merge is
             memory-bound; on 2 shared cores 1 thread ran at ~800 MB/s and 2 threads at ~160-280
             MB/s (OpenMP spinning; benchmarks/merge.py).
@@ -171,14 +181,13 @@ def merge_adapter(
             }
         )
         manifest = _manifest(plan, merged, files if hash_files else None, time.time() - t0, written)
-        manifest["merge"]["device"] = str(device)
-        manifest["merge"]["static_checks"] = static
-        manifest.update(extra_manifest or {})
+        manifest.merge.device = str(device)
+        manifest.merge.static_checks = static
         seconds = time.time() - t0
         torch.set_num_threads(threads_before)  # the gate picks its own
         if finalize is not None:
             finalize(partial, manifest)
-        write_json_atomic(partial / MANIFEST, manifest)
+        write_manifest(partial, manifest)
         fsync_dir(partial)
         os.rename(partial, out_dir)
         fsync_dir(out_dir.parent)
@@ -211,7 +220,6 @@ def merge_and_quantize(
     progress: bool = False,
     finalize=None,
     threads: int | None = 1,
-    extra_manifest: dict | None = None,
 ) -> MergeResult:
     """Merge into bf16 (exactly `merge_adapter`, parity gate included), then quantize as the served checkpoint.
 
@@ -254,27 +262,24 @@ def merge_and_quantize(
             calibration=calibration,
             calibration_source=calibration_source,
         )
-        manifest = dict(bf16.manifest)
-        manifest.pop("requantization", None)
-        manifest.update(
-            {
+        manifest = bf16.manifest.model_copy(
+            update={
+                "requantization": None,
                 "format": fmt,
                 "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "files": file_hashes(partial),
-                "quantization": record,
-                "served_parity": {
-                    "status": "pending",
-                    "how": "pipeline merge-parity OUT --hot URL --merged URL",
-                },
+                "quantization": Quantization.model_validate(record),
+                "served_parity": ServedParity(
+                    status="pending", how="pipeline merge-parity OUT --hot URL --merged URL"
+                ),
                 "versions": package_versions(
                     ("peft", "transformers", "torch", "safetensors", "nvidia-modelopt", "lora-pipeline")
                 ),
             }
         )
-        manifest.update(extra_manifest or {})
-        for name in manifest["files"]:
+        for name in manifest.files:
             seal_output(partial / name)
-        write_json_atomic(partial / MANIFEST, manifest)
+        write_manifest(partial, manifest)
         fsync_dir(partial)
         os.rename(partial, out_dir)
         fsync_dir(out_dir.parent)
@@ -284,64 +289,52 @@ def merge_and_quantize(
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    written = sum((out_dir / n).stat().st_size for n in manifest["files"])
+    written = sum((out_dir / n).stat().st_size for n in manifest.files)
     return MergeResult(out_dir, manifest, bf16.seconds, written, bf16.merged)
 
 
-def _manifest(plan: MergePlan, merged: list[str], files: dict | None, seconds: float, written: int) -> dict:
-
+def _manifest(
+    plan: MergePlan, merged: list[str], files: dict | None, seconds: float, written: int
+) -> MergedManifest:
     try:
-        amani = read_manifest(plan.adapter)
+        amani = read_adapter_manifest(plan.adapter)
     except (FileNotFoundError, ValueError):
-        amani = {}
+        amani = None
     acfg = load_adapter_config(plan.adapter).raw
     scales: dict[str, int] = {}
     for p in plan.pairs.values():
         scales[f"{p.scale:g}"] = scales.get(f"{p.scale:g}", 0) + 1
-    return {
-        "schema": 1,
-        "kind": "merged-lora",
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "files": files,
-        "base": {
-            "path": str(plan.base.resolve()),
-            "layout": plan.layout,
-            "fingerprint": base_fingerprint(str(plan.base)),
-        },
-        "adapter": {
-            "path": str(plan.adapter.resolve()),
-            "name": amani.get("name"),
-            "weights_sha256": sha256_file(plan.adapter / WEIGHTS_FILE),
-            "manifest_base_model": amani.get("base_model"),
-            "registered": registered_version(amani),
-            "config": {
+    return MergedManifest(
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        files=files,
+        base=MergedBase(
+            path=str(plan.base.resolve()), layout=plan.layout, fingerprint=base_fingerprint(str(plan.base))
+        ),
+        adapter=MergedFrom(
+            path=str(plan.adapter.resolve()),
+            name=amani.name if amani else None,
+            weights_sha256=sha256_file(plan.adapter / WEIGHTS_FILE),
+            manifest_base_model=amani.base_model if amani else None,
+            registered=amani.registered_version() if amani else None,
+            config={
                 k: acfg.get(k)
                 for k in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules")
             },
-        },
-        "merge": {
-            "dtype": plan.dtype,
-            "lora_pairs": len(plan.pairs),
-            "merged_modules": len(merged),
-            "copied_tensors": sum(1 for s in plan.shards for e in s.entries if e.pair is None),
-            "scales": scales,
-            "bytes": written,
-            "seconds": round(seconds, 2),
-        },
-        "requantization": {
-            "status": "pending",
-            "target": "NVFP4 (ModelOpt format) for the MTP fleet",
-            "keep_bf16": ["lm_head", "mtp.*", "model.visual.*"],
-            "recipe": "docs/merge.md",
-        },
-        "versions": package_versions(("peft", "transformers", "torch", "safetensors", "lora-pipeline")),
-    }
-
-
-def registered_version(adapter_manifest: dict) -> dict | None:
-    """{name, version} of the registry version an adapter manifest names (publish writes `published`)."""
-    for key in ("published", "registered"):
-        d = adapter_manifest.get(key) or {}
-        if d.get("name") and d.get("version") is not None:
-            return {"name": str(d["name"]), "version": int(d["version"])}
-    return None
+        ),
+        merge=MergeStats(
+            dtype=plan.dtype,
+            lora_pairs=len(plan.pairs),
+            merged_modules=len(merged),
+            copied_tensors=sum(1 for s in plan.shards for e in s.entries if e.pair is None),
+            scales=scales,
+            bytes=written,
+            seconds=round(seconds, 2),
+        ),
+        requantization=Requantization(
+            status="pending",
+            target="NVFP4 (ModelOpt format) for the MTP fleet",
+            keep_bf16=["lm_head", "mtp.*", "model.visual.*"],
+            recipe="docs/merge.md",
+        ),
+        versions=package_versions(("peft", "transformers", "torch", "safetensors", "lora-pipeline")),
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.artifacts.checkpoint import read_checkpoint
+from pipeline.artifacts.manifest import MergedManifest, MergeParity
 from pipeline.artifacts.peft_model import load_peft
 from pipeline.errors import CheckFailed, UsageError
 
@@ -197,14 +198,14 @@ def parity_gate(base_dir: Path, adapter_dir: Path, dtype: str, mode: str = "auto
     if mode == "on" and reason and ck.layout != "text":
         raise UsageError(f"--parity on: {reason}")
 
-    def finalize(partial: Path, manifest: dict) -> None:
+    def finalize(partial: Path, manifest: MergedManifest) -> None:
         if reason and mode != "on":
-            manifest["parity"] = {"verdict": "skipped", "reason": reason}
+            manifest.parity = MergeParity(verdict="skipped", reason=reason)
             return
         v = check_parity(
             base_dir, adapter_dir, partial, dtype=dtype, threads=1 if weight_bytes < SMALL_BYTES else None
         )
-        manifest["parity"] = v
+        manifest.parity = MergeParity.model_validate(v)
         if v["verdict"] != "pass":
             raise ParityFailed(
                 "parity gate failed: merged model differs from base + adapter through peft:\n  "
@@ -215,30 +216,33 @@ def parity_gate(base_dir: Path, adapter_dir: Path, dtype: str, mode: str = "auto
     return finalize
 
 
-def parity_tags(manifest: dict, out: Path) -> dict[str, str]:
-    """MLflow model-version tags summarising a merge and its parity verdict."""
-    p = manifest.get("parity") or {}
+def parity_tags(
+    out: Path, parity: MergeParity | None, manifest: MergedManifest | None = None
+) -> dict[str, str]:
+    """MLflow model-version tags summarising a merge and its parity verdict.
+
+    `manifest`: the merged checkpoint's (None when the merge was discarded: only the verdict is known).
+    """
+    merge = manifest.merge if manifest else None
     tags = {
-        "merge.parity": p.get("verdict", "unknown"),
+        "merge.parity": parity.verdict if parity else "unknown",
         "merge.path": str(out),
-        "merge.dtype": manifest.get("merge", {}).get("dtype", ""),
-        "merge.merged_modules": str(manifest.get("merge", {}).get("merged_modules", "")),
+        "merge.dtype": merge.dtype if merge else "",
+        "merge.merged_modules": str(merge.merged_modules) if merge else "",
     }
     for k in ("max_abs_diff", "tolerance", "adapter_effect", "greedy_equal", "reason"):
-        if k in p:
-            tags[f"merge.parity.{k}"] = str(p[k])
-    q = manifest.get("quantization")
+        if parity and getattr(parity, k) is not None:
+            tags[f"merge.parity.{k}"] = str(getattr(parity, k))
+    q = manifest.quantization if manifest else None
     if q:  # what the served (NVFP4) merge was quantized with
         tags.update(
             {
-                "merge.format": str(q.get("format")),
-                "merge.quantizer": f"{q.get('tool')} {q.get('version')}",
-                "merge.quantizer.config": f"{q.get('config')} + {','.join(q.get('extra_disabled') or [])} disabled",
-                "merge.quantizer.calibration_sha256": str(
-                    (q.get("calibration") or {}).get("token_ids_sha256")
-                ),
-                "merge.quantizer.hf_quant_config_sha256": str(q.get("hf_quant_config_sha256")),
-                "merge.served_parity": str((manifest.get("served_parity") or {}).get("status", "pending")),
+                "merge.format": q.format,
+                "merge.quantizer": f"{q.tool} {q.version}",
+                "merge.quantizer.config": f"{q.config} + {','.join(q.extra_disabled)} disabled",
+                "merge.quantizer.calibration_sha256": str(q.calibration.get("token_ids_sha256")),
+                "merge.quantizer.hf_quant_config_sha256": str(q.hf_quant_config_sha256),
+                "merge.served_parity": manifest.served_parity.status if manifest.served_parity else "pending",
             }
         )
     return tags

@@ -36,8 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import registry
-from pipeline.artifacts.atomic import write_json_atomic
-from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.artifacts.manifest import MANIFEST, MergedManifest, ServedParity, read_manifest, write_manifest
 from pipeline.canary.engine import _pass, served_info, staging_instance  # _pass: the canary's measured pass
 from pipeline.canary.prompts import canary_set, load_tokenizer
 from pipeline.canary.result import CanaryError, EngineOutput
@@ -141,9 +140,10 @@ def run_served_parity(
         man = read_manifest(merged_dir)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"{merged_dir}: {e}; give the output of `pipeline merge --quantize nvfp4`") from e
-    if man.get("kind") != "merged-lora" or not man.get("quantization"):
-        raise UsageError(f"{merged_dir}/{MANIFEST}: not a quantized merge (kind {man.get('kind')!r})")
-    adapter_dir = Path(man["adapter"]["path"])
+    if not isinstance(man, MergedManifest) or man.quantization is None:
+        what = "a bf16 merge" if isinstance(man, MergedManifest) else f"kind {man.kind!r}"
+        raise UsageError(f"{merged_dir}/{MANIFEST}: not a quantized merge ({what})")
+    adapter_dir = Path(man.adapter.path)
     c = cfg.canary
     hot_inst = staging_instance(cfg, hot_url)
     try:
@@ -189,7 +189,7 @@ def run_served_parity(
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "merged_dir": str(merged_dir.resolve()),
         "adapter": str(adapter_dir),
-        "registered": (man.get("adapter") or {}).get("registered"),
+        "registered": man.adapter.registered.model_dump() if man.adapter.registered else None,
         "base": _side(base_speed, engine_model=hot_info["engine_model"], url=hot_inst.url),
         "hot": _side(hot_speed, engine_model=hot_info["engine_model"], url=hot_inst.url),
         "merged": _side(merged_speed, engine_model=merged_info["engine_model"], url=merged_inst.url),
@@ -253,7 +253,9 @@ def record(cfg: ProjectConfig | None, rec: dict, target: dict | None) -> None:
     """Put `rec` into the merged manifest (`served_parity`) and, when `target` {name, version} is given, on the version."""
     d = Path(rec["merged_dir"])
     man = read_manifest(d)
-    man["served_parity"] = {"status": rec["parity"]["verdict"], **rec}
-    write_json_atomic(d / MANIFEST, man)
+    if not isinstance(man, MergedManifest):
+        raise UsageError(f"{d}/{MANIFEST}: a {man.kind} manifest, not a merged checkpoint's")
+    man.served_parity = ServedParity(status=rec["parity"]["verdict"], **rec)
+    write_manifest(d, man)
     if target and cfg is not None:
         registry.set_version_tags(cfg, target["name"], int(target["version"]), served_tags(rec))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifacts.fingerprint import manifest_fingerprint
-from pipeline.artifacts.manifest import read_manifest, verify_files
+from pipeline.artifacts.manifest import AdapterManifest, read_adapter_manifest, verify_files
 from pipeline.artifacts.names import check_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
@@ -54,58 +54,51 @@ def exact(v: float | int) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
 
-def eval_set_digest(manifest: dict) -> str:
+def eval_set_digest(manifest: AdapterManifest) -> str:
     """sha256 over the sorted sha256s of the manifest's validation files; "" when it names none."""
     import hashlib
 
-    shas = sorted(
-        str(f.get("sha256"))
-        for f in (manifest.get("dataset") or {}).get("files") or []
-        if f.get("role") == "validation"
-    )
+    shas = sorted(str(f.sha256) for f in manifest.dataset.files if f.role == "validation")
     return hashlib.sha256("\n".join(shas).encode()).hexdigest() if shas else ""
 
 
-def _describe(manifest: dict, report: dict) -> str:
+def _describe(manifest: AdapterManifest, report: dict) -> str:
     """The version's description: one paragraph a reviewer reads on the version page."""
-    base = manifest.get("base_model", {})
-    served = manifest.get("served", {})
-    m = manifest.get("metrics", {})
-    weights = manifest.get("files", {}).get("adapter_model.safetensors", "")
-    tps = m.get("tokens_per_s")
+    base, served, m = manifest.base_model, manifest.served, manifest.metrics
     return (
-        f"LoRA r={manifest.get('adapter', {}).get('r')} alpha={manifest.get('adapter', {}).get('lora_alpha')} "
-        f"on base {base.get('id')} @ {base.get('revision') or 'sha256:' + str(base.get('fingerprint') or '')[:12]}; "
-        f"served on {served.get('checkpoint')} @ {served.get('revision') or 'unpinned'}; "
-        f"dataset {str(manifest.get('dataset', {}).get('fingerprint', ''))[:16]}; "
-        f"eval_loss {_num(m.get('eval_loss'))}, train_loss {_num(m.get('train_loss'))}"
-        + (f", {tps:.0f} tokens/s" if isinstance(tps, (int, float)) else "")
-        + f"; weights sha256 {weights[:16]}; validation {report.get('verdict', 'unknown')}."
+        f"LoRA r={manifest.adapter.r} alpha={manifest.adapter.lora_alpha} "
+        f"on base {base.id} @ {base.revision or 'sha256:' + (base.fingerprint or '')[:12]}; "
+        f"served on {served.checkpoint} @ {served.revision or 'unpinned'}; "
+        f"dataset {(manifest.dataset.fingerprint or '')[:16]}; "
+        f"eval_loss {_num(m.eval_loss)}, train_loss {_num(m.train_loss)}"
+        + (f", {m.tokens_per_s:.0f} tokens/s" if m.tokens_per_s is not None else "")
+        + f"; weights sha256 {manifest.weights_sha256[:16]}; validation {report.get('verdict', 'unknown')}."
     )[:4900]
 
 
-def version_tags(cfg: ProjectConfig, manifest: dict, report: dict, run_id: str | None) -> dict[str, str]:
+def version_tags(
+    cfg: ProjectConfig, manifest: AdapterManifest, report: dict, run_id: str | None
+) -> dict[str, str]:
     """Tags every version carries: the description's facts, machine-searchable.
 
 
     e.g. `client.search_model_versions("tags.`validation.verdict` = 'pass'")`.
     """
-    base = manifest.get("base_model", {})
-    m = manifest.get("metrics") or {}
+    base, m = manifest.base_model, manifest.metrics
     tags = {
-        "base_model": str(base.get("id")),
-        "base_revision": str(base.get("revision") or ""),
-        "base_fingerprint": str(base.get("fingerprint") or ""),
+        "base_model": str(base.id),
+        "base_revision": base.revision or "",
+        "base_fingerprint": base.fingerprint or "",
         "served_checkpoint": cfg.served.checkpoint,
         "served_revision": str(cfg.served.revision or ""),
         "served_model": cfg.served.model,
-        "dataset_fingerprint": str(manifest.get("dataset", {}).get("fingerprint", "")),
-        "weights_sha256": manifest.get("files", {}).get("adapter_model.safetensors", ""),
+        "dataset_fingerprint": manifest.dataset.fingerprint or "",
+        "weights_sha256": manifest.weights_sha256,
         "validation.verdict": report.get("verdict", "unknown"),
         "validation.weights_sha256": str(report.get("weights_sha256")),
-        "lora_r": str(manifest.get("adapter", {}).get("r")),
-        "lora_alpha": str(manifest.get("adapter", {}).get("lora_alpha")),
-        "config_sha256": str(manifest.get("config_sha256") or ""),
+        "lora_r": str(manifest.adapter.r),
+        "lora_alpha": str(manifest.adapter.lora_alpha),
+        "config_sha256": manifest.config_sha256 or "",
         "source_run_id": run_id or "",
     }
     fp = manifest_fingerprint(manifest)
@@ -113,9 +106,10 @@ def version_tags(cfg: ProjectConfig, manifest: dict, report: dict, run_id: str |
         tags[FINGERPRINT_TAG] = fp
     if eval_set_digest(manifest):
         tags[EVAL_SET_TAG] = eval_set_digest(manifest)
+    figures = m.figures()
     for k in METRIC_TAGS:
-        if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
-            tags[k] = exact(m[k])
+        if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool):
+            tags[k] = exact(figures[k])
     return tags
 
 
@@ -161,7 +155,7 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
     check_name(name)  # the grammar (exit 2) before anything is read or written
     adapter_dir = Path(adapter_dir)
     try:
-        manifest = read_manifest(adapter_dir)
+        manifest = read_adapter_manifest(adapter_dir)
     except FileNotFoundError as e:
         raise RegistryError(
             f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
@@ -169,7 +163,7 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
     except (ValueError, OSError) as e:  # not JSON, not a manifest, unreadable
         raise RegistryError(f"{adapter_dir}: unusable manifest.json ({e}); nothing registered") from e
     # The lineage on the version is the manifest's: refuse files that are not what it describes.
-    problems = verify_files(adapter_dir, manifest.get("files", {}))
+    problems = verify_files(adapter_dir, manifest.files)
     if problems:
         raise RegistryError(
             f"{adapter_dir}: files differ from manifest.json (edited after training?); nothing registered:\n  "
@@ -182,14 +176,14 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
 def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, manifest: dict) -> Registered:
     mlflow = mlflow_for(cfg)
     client = mlflow.MlflowClient()
-    run_id = manifest.get("mlflow_run_id")
+    run_id = manifest.mlflow_run_id
     if run_id:
         try:
             client.get_run(run_id)
         except Exception:
             run_id = None  # trained against another store
     tags = version_tags(cfg, manifest, report, run_id)
-    params = flatten_params({k: v for k, v in manifest.get("adapter", {}).items()})
+    params = flatten_params(manifest.adapter.model_dump(exclude_unset=True))
     model = mlflow.initialize_logged_model(
         name=name,
         source_run_id=run_id,
@@ -201,9 +195,8 @@ def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, ma
     try:
         client.log_model_artifacts(model.model_id, str(adapter_dir))
         if run_id:  # model metrics live in a run; link eval/train loss to their dataset
-            files = manifest.get("dataset", {}).get("files") or []
-            by_role = {f.get("role"): f for f in files}
-            for k, v in (manifest.get("metrics") or {}).items():
+            by_role = {f.role: f for f in manifest.dataset.files}
+            for k, v in manifest.metrics.figures().items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     ds = (
                         by_role.get("validation" if k.startswith("eval") else "train")
@@ -215,8 +208,8 @@ def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, ma
                         k,
                         float(v),
                         model_id=model.model_id,
-                        dataset_name=Path(ds["path"]).name if ds else None,
-                        dataset_digest=ds["sha256"][:36] if ds else None,
+                        dataset_name=Path(ds.path).name if ds else None,
+                        dataset_digest=(ds.sha256 or "")[:36] if ds else None,
                     )
         mlflow.finalize_logged_model(model.model_id, "READY")
     except BaseException:

@@ -33,8 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import registry
-from pipeline.artifacts.atomic import write_json_atomic
-from pipeline.artifacts.manifest import MANIFEST, file_hashes, read_manifest, verify_files
+from pipeline.artifacts.manifest import (
+    Origin,
+    PublishRecord,
+    file_hashes,
+    read_adapter_manifest,
+    verify_files,
+    write_manifest,
+)
 from pipeline.artifacts.names import check_name
 from pipeline.artifacts.normalise import rewrite_base_model
 from pipeline.artifacts.volume import (
@@ -140,7 +146,7 @@ def _clear_all_debris(cfg: ProjectConfig, volume: Path) -> Path:
     return tmp_root
 
 
-def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None) -> tuple[Path, bool]:
+def materialise(cfg: ProjectConfig, mv, volume: Path, origin: Origin | None = None) -> tuple[Path, bool]:
     """Write `<volume>/<name>-v<N>/` from the registry; returns (path, created). Call holding the adapter lock.
 
     The policy of what goes onto the volume; how it is written is `staged_version`, what is
@@ -160,7 +166,7 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
                 f"{target} differs from its manifest (volume tampered?); move it away and publish again:\n  "
                 + "\n  ".join(problems)
             )
-        why = origin_problem(read_manifest(target), origin, str(target)) if origin else None
+        why = origin_problem(read_adapter_manifest(target), origin, str(target)) if origin else None
         if why:
             raise PublishError(why)
         try:  # debris goes with every successful publish, also one that copies nothing
@@ -174,33 +180,36 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: dict | None = None
     check_writable(tmp_root)
     with tempfile.TemporaryDirectory(prefix=f"{name}-v{version}.", dir=tmp_root) as td:
         src = registry.download_version(cfg, mv, Path(td) / "download")
-        manifest = read_manifest(src)
-        problems = verify_files(src, manifest["files"])
+        manifest = read_adapter_manifest(src)
+        problems = verify_files(src, manifest.files)
         if problems:
             raise PublishError(
                 f"{name} v{version}: registered artifact fails its manifest:\n  " + "\n  ".join(problems)
             )
-        check_publishable(mv, manifest["files"].get("adapter_model.safetensors", ""))
+        check_publishable(mv, manifest.weights_sha256)
         need, nfiles = tree_size(src)
         with staged_version(volume, name, version, need, nfiles, checkpoint) as st:
             copy_tree(src, st.path)
             checkpoint("after-copy")
             # re-validate if the verdict's binding changed; rename keys / fold patterns for the fleet's vLLM (parity proven)
-            for key, value in prepare_for_fleet(cfg, mv.tags or {}, st.path).items():
-                manifest[key] = {**manifest.get(key, {}), **value}
+            fleet = prepare_for_fleet(cfg, mv.tags or {}, st.path)
+            if "normalised" in fleet:
+                manifest.normalised = {**(manifest.normalised or {}), **fleet["normalised"]}
+            if "revalidated" in fleet:
+                manifest.revalidated = {**(manifest.revalidated or {}), **fleet["revalidated"]}
             original = rewrite_base_model(st.path, cfg.served.model)
-            manifest["registered_files"] = manifest["files"]
-            manifest["files"] = file_hashes(st.path)
-            manifest["published"] = {
-                "name": name,
-                "version": version,
-                "original_base_model_name_or_path": original,
-                "base_model_name_or_path": cfg.served.model,
-                "registry": origin
-                or {"tracking_uri": redact_uri(cfg.tracking_uri), "source": mv.source, "run_id": mv.run_id},
-                "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            }
-            write_json_atomic(st.path / MANIFEST, manifest)  # the manifest last
+            manifest.registered_files = manifest.files
+            manifest.files = file_hashes(st.path)
+            manifest.published = PublishRecord(
+                name=name,
+                version=version,
+                original_base_model_name_or_path=original,
+                base_model_name_or_path=cfg.served.model,
+                registry=origin
+                or Origin(tracking_uri=redact_uri(cfg.tracking_uri), source=mv.source, run_id=mv.run_id),
+                time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            )
+            write_manifest(st.path, manifest)  # the manifest last
         return st.target, st.created
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline import registry
-from pipeline.artifacts.manifest import read_manifest
+from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.artifacts.names import check_name
 from pipeline.artifacts.volume import verify_version_dir, version_dir
 from pipeline.config import ProjectConfig
@@ -91,7 +91,7 @@ def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> RolledBack
                 f"{d} differs from its manifest (tampered?); nothing changed. Move it away and publish "
                 f"v{target} again:\n  " + "\n  ".join(problems)
             )
-        why = origin_problem(read_manifest(d), expected_origin(cfg, mv), str(d))
+        why = origin_problem(read_adapter_manifest(d), expected_origin(cfg, mv), str(d))
         if why:
             raise PublishError(why)
         intent = Intent(

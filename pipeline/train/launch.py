@@ -33,7 +33,20 @@ from pathlib import Path
 from pipeline import registry
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.fingerprint import base_fingerprint, training_inputs
-from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
+from pipeline.artifacts.manifest import (
+    MANIFEST,
+    AdapterManifest,
+    BaseModelRef,
+    DatasetFile,
+    DatasetRecord,
+    LoraSettings,
+    ServedRef,
+    TrainingInputs,
+    TrainMetrics,
+    file_hashes,
+    package_versions,
+    write_manifest,
+)
 from pipeline.artifacts.names import check_name, default_name
 from pipeline.children import guarded
 from pipeline.config import ProjectConfig
@@ -69,7 +82,7 @@ class TrainError(CheckFailed):
 class TrainResult:
     run_dir: Path
     adapter_dir: Path
-    manifest: dict
+    manifest: AdapterManifest
     run_id: str | None
     seconds: float
 
@@ -325,51 +338,34 @@ def train(
         echo(f"adapter: removed wrapper names ({', '.join(WRAPPER_SEGMENTS)}) from {renamed} tensor names")
     adapter_cfg = json.loads((staging / "adapter_config.json").read_text())
     base = str(tc.data.get("base_model"))
-    manifest = {
-        "schema": 1,
-        "name": name,
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "files": file_hashes(staging),
-        "base_model": {
-            "id": base,
-            "revision": tc.data.get("base_model_revision"),
-            "fingerprint": base_fingerprint(base),
-        },
-        "served": {
-            "checkpoint": cfg.served.checkpoint,
-            "revision": cfg.served.revision,
-            "model": cfg.served.model,
-        },
-        "dataset": {
-            "fingerprint": ds_report.fingerprint,
-            "files": [
-                {"path": f.path, "role": f.role, "sha256": f.sha256, "conversations": f.conversations}
+    manifest = AdapterManifest(
+        name=name,
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        files=file_hashes(staging),
+        base_model=BaseModelRef(
+            id=base, revision=tc.data.get("base_model_revision"), fingerprint=base_fingerprint(base)
+        ),
+        served=ServedRef(
+            checkpoint=cfg.served.checkpoint, revision=cfg.served.revision, model=cfg.served.model
+        ),
+        dataset=DatasetRecord(
+            fingerprint=ds_report.fingerprint,
+            files=[
+                DatasetFile(path=f.path, role=f.role, sha256=f.sha256, conversations=f.conversations)
                 for f in ds_report.files
             ],
-        },
-        "config_sha256": tc.sha256,
+        ),
+        config_sha256=tc.sha256,
         # the input fingerprint every registration tags (`run.fingerprint`): pipeline/artifacts/fingerprint.py
-        "inputs": training_inputs(ds_report.fingerprint, tc.data),
-        "resolved_config": str(resolved_yml),
-        "adapter": {
-            k: adapter_cfg.get(k)
-            for k in (
-                "r",
-                "lora_alpha",
-                "target_modules",
-                "rank_pattern",
-                "alpha_pattern",
-                "use_rslora",
-                "use_dora",
-                "peft_type",
-            )
-        },
-        "versions": package_versions(),
-        "metrics": summary,
-        "mlflow_run_id": run_id,
-        "gpus": gpus,
-    }
-    write_json_atomic(staging / MANIFEST, manifest)
+        inputs=TrainingInputs(**training_inputs(ds_report.fingerprint, tc.data)),
+        resolved_config=str(resolved_yml),
+        adapter=LoraSettings(**{k: adapter_cfg.get(k) for k in (*LoraSettings.KEYS, "peft_type")}),
+        versions=package_versions(),
+        metrics=TrainMetrics(**summary),
+        mlflow_run_id=run_id,
+        gpus=gpus,
+    )
+    write_manifest(staging, manifest)
     os.replace(staging, adapter_dir)
     registry.finish_training_run(
         cfg, run_id, summary, [adapter_dir / MANIFEST, run_dir / "dataset_report.json"], ok=True

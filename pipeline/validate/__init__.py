@@ -18,7 +18,7 @@ import importlib
 from pathlib import Path
 
 from pipeline.artifacts.hashing import sha256_file
-from pipeline.artifacts.manifest import read_manifest
+from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.validate.context import Context, Options
 from pipeline.validate.report import REPORT_FILE, FleetRules, ValidationReport
 from pipeline.validate.rules import RULES, Unavailable, rules_version, run
@@ -188,10 +188,10 @@ def default_base(cfg, adapter_dir: Path) -> Path | None:
     if mp.is_symlink() or not mp.is_file():
         return None
     try:
-        b = read_manifest(Path(adapter_dir))["base_model"]["id"]
-        return Path(b) if Path(b).is_dir() else None
-    except (FileNotFoundError, KeyError, ValueError, TypeError, OSError):
+        b = read_adapter_manifest(Path(adapter_dir)).base_model.id
+    except (FileNotFoundError, ValueError, OSError):
         return None
+    return Path(b) if b and Path(b).is_dir() else None
 
 
 def validate_with_config(cfg, adapter_dir: Path, base_dir: Path | None = None, **kwargs) -> ValidationReport:

@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from pipeline.artifacts.manifest import read_manifest
+from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.artifacts.peft_model import load_peft
 from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, check
@@ -39,10 +39,10 @@ CANARIES = [
 def validation_files_from_manifest(adapter_dir: Path) -> list[Path]:
     """The validation JSONL files recorded in the adapter's manifest.json (those that still exist)."""
     try:
-        files = read_manifest(adapter_dir).get("dataset", {}).get("files", [])
+        files = read_adapter_manifest(adapter_dir).dataset.validation_files()
     except (FileNotFoundError, ValueError):
         return []
-    return [Path(f["path"]) for f in files if f.get("role") != "train" and Path(f["path"]).is_file()]
+    return [f for f in files if f.is_file()]
 
 
 def _conversations(files: list[Path]) -> list[dict]:

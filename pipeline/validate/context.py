@@ -26,7 +26,7 @@ from pipeline.artifacts.adapter import (
 )
 from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, LAYER_RE
 from pipeline.artifacts.hashing import DirectoryScan, scan_directory, sha256_file
-from pipeline.artifacts.manifest import MANIFEST, read_manifest
+from pipeline.artifacts.manifest import MANIFEST, AdapterManifest, read_adapter_manifest
 from pipeline.artifacts.normalise import FoldResult, ParityError, fold_rslora
 from pipeline.artifacts.safetensors import HeaderError, TensorInfo, file_metadata, read_safetensors_header
 from pipeline.errors import PipelineError
@@ -286,14 +286,16 @@ class Context(CheckpointFacts, TemplateFacts):
 
     # -- manifest ---------------------------------------------------------------------------------------------------
     @cached_property
-    def manifest_fact(self) -> Fact[dict]:
+    def manifest_fact(self) -> Fact[AdapterManifest]:
         """manifest.json, or why it could not be read; an empty fact when there is none."""
         if (self.adapter_dir / MANIFEST) not in self.scan.files:  # never open a FIFO or follow a link
             return Fact()
-        return Fact.of(lambda: read_manifest(self.adapter_dir), FileNotFoundError, ValueError, OSError)
+        return Fact.of(
+            lambda: read_adapter_manifest(self.adapter_dir), FileNotFoundError, ValueError, OSError
+        )
 
     @property
-    def manifest(self) -> dict | None:
+    def manifest(self) -> AdapterManifest | None:
         return self.manifest_fact.value
 
     @property
@@ -304,7 +306,7 @@ class Context(CheckpointFacts, TemplateFacts):
     @property
     def published(self) -> bool:
         """The directory is a published version (what the fleet loads): fixable problems are errors here."""
-        return bool(self.manifest and "published" in self.manifest)
+        return self.manifest is not None and self.manifest.published is not None
 
     # -- tensor values ----------------------------------------------------------------------------------------------
     @cached_property

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from pipeline.artifacts.checkpoint import Checkpoint, read_checkpoint
+from pipeline.artifacts.manifest import AdapterManifest
 from pipeline.serving.versions import UnknownVllmVersion, VllmRange, rules_for
 
 if TYPE_CHECKING:  # annotations only: the report module imports nothing from here
@@ -197,7 +198,7 @@ class AdapterFacts(Facts, Protocol):
     def reject(self, m) -> None: ...
     def allowed_modules(self, layer: int) -> set[str]: ...
     @property
-    def manifest(self) -> dict | None: ...
+    def manifest(self) -> AdapterManifest | None: ...
     @property
     def manifest_problem(self) -> str | None: ...
     @property

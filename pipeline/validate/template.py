@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.artifacts.manifest import read_manifest
+from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.errors import UsageError
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer, read_template, render
 from pipeline.validate.facts import Fact, Unavailable
@@ -170,7 +170,7 @@ def training_config_path(adapter_dir: Path, training_config: Path | None) -> Pat
     if mp.is_symlink() or not mp.is_file():
         return None
     try:
-        rc = read_manifest(adapter_dir).get("resolved_config")
+        rc = read_adapter_manifest(adapter_dir).resolved_config
     except (FileNotFoundError, ValueError, OSError):
         return None
     return Path(rc) if rc and Path(rc).is_file() else None

@@ -49,9 +49,8 @@ def base_missing(ctx: AdapterFacts):
         why = ""
         if ctx.manifest_problem:  # the base would have come from the manifest: say why it did not
             why = f" (the base named in the manifest is unknown: {ctx.manifest_problem})"
-        elif ctx.manifest and isinstance(ctx.manifest.get("base_model"), dict):
-            named = ctx.manifest["base_model"].get("id")
-            why = f" (the manifest's base_model {named!r} is not a local directory)"
+        elif ctx.manifest and ctx.manifest.base_model.id:
+            why = f" (the manifest's base_model {ctx.manifest.base_model.id!r} is not a local directory)"
         yield Issue(
             f"no base checkpoint to validate against{why}: pass --base DIR or set base.path in pipeline.yaml",
             str(ctx.adapter_dir),

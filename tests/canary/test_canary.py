@@ -63,11 +63,10 @@ def tiny_qwen3(out: Path) -> Path:
 
 
 def with_manifest(d: Path, base: Path) -> Path:
-    from pipeline.artifacts.atomic import write_json_atomic
-    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+    from pipeline.artifacts.manifest import AdapterManifest, BaseModelRef, file_hashes, write_manifest
 
-    write_json_atomic(
-        d / MANIFEST, {"schema": 1, "name": d.name, "files": file_hashes(d), "base_model": {"id": str(base)}}
+    write_manifest(
+        d, AdapterManifest(name=d.name, files=file_hashes(d), base_model=BaseModelRef(id=str(base)))
     )
     return d
 

@@ -18,12 +18,13 @@ def test_train_leaves_adapter_and_manifest(trained, tiny_base):
     cfg, res = trained
     m = res.manifest
     assert (res.adapter_dir / "adapter_model.safetensors").exists()
-    assert verify_files(res.adapter_dir, m["files"]) == []
-    assert m["base_model"]["id"] == str(tiny_base) and len(m["base_model"]["fingerprint"]) == 64
-    assert len(m["dataset"]["fingerprint"]) == 64 and len(m["config_sha256"]) == 64
-    assert m["versions"]["axolotl"].startswith("0.") and m["versions"]["peft"]
-    assert m["metrics"]["steps"] == 6 and m["metrics"]["train_loss"] > 0 and m["metrics"]["eval_loss"] > 0
-    assert m["adapter"]["r"] == 8
+    assert verify_files(res.adapter_dir, m.files) == []
+    assert m.base_model.id == str(tiny_base) and len(m.base_model.fingerprint) == 64
+    assert len(m.dataset.fingerprint) == 64 and len(m.config_sha256) == 64
+    assert m.versions["axolotl"].startswith("0.") and m.versions["peft"]
+    assert m.metrics.steps == 6 and m.metrics.train_loss > 0 and m.metrics.eval_loss > 0
+    assert m.adapter.r == 8
+    assert read_manifest(res.adapter_dir) == m  # what was written reads back as the same object
     # per-step metrics reached the MLflow run through axolotl's integration
     from mlflow import MlflowClient
 
@@ -33,13 +34,8 @@ def test_train_leaves_adapter_and_manifest(trained, tiny_base):
     )
     assert len(hist) >= 5
     run = client.get_run(res.run_id)
-    assert (
-        run.info.status == "FINISHED"
-        and run.data.params["dataset_fingerprint"] == m["dataset"]["fingerprint"]
-    )
-    assert {i.dataset.digest for i in run.inputs.dataset_inputs} == {
-        f["sha256"][:36] for f in m["dataset"]["files"]
-    }
+    assert run.info.status == "FINISHED" and run.data.params["dataset_fingerprint"] == m.dataset.fingerprint
+    assert {i.dataset.digest for i in run.inputs.dataset_inputs} == {f.sha256[:36] for f in m.dataset.files}
 
 
 def test_validate_register_publish(trained, tiny_base, monkeypatch):
@@ -61,7 +57,7 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
     pub = publish(cfg, "agent-tools", alias="candidate")
     assert pub.created and pub.path == cfg.volume.path / f"agent-tools-v{reg.version}"
     # byte-identical to the registered artifact, except the rewritten base name
-    for name in res.manifest["files"]:
+    for name in res.manifest.files:
         if name != "adapter_config.json":
             assert (pub.path / name).read_bytes() == (res.adapter_dir / name).read_bytes()
     acfg = json.loads((pub.path / "adapter_config.json").read_text())
@@ -71,8 +67,8 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
         k: v for k, v in orig.items() if k != "base_model_name_or_path"
     }
     man = read_manifest(pub.path)
-    assert man["published"]["original_base_model_name_or_path"] == orig["base_model_name_or_path"]
-    assert verify_files(pub.path, man["files"]) == []
+    assert man.published.original_base_model_name_or_path == orig["base_model_name_or_path"]
+    assert verify_files(pub.path, man.files) == []
     assert not (cfg.volume.path / ".staging").exists()  # removed once empty: no debris on the volume
     assert int(registry.resolve_version(cfg, "agent-tools", alias="production").version) == reg.version
 
@@ -112,8 +108,7 @@ def test_failing_version_is_not_published(trained, tiny_base, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from pipeline import registry
-    from pipeline.artifacts.atomic import write_json_atomic
-    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+    from pipeline.artifacts.manifest import file_hashes, write_manifest
     from pipeline.errors import CheckFailed
     from pipeline.release.publish import publish
     from pipeline.validate import validate_adapter
@@ -126,8 +121,8 @@ def test_failing_version_is_not_published(trained, tiny_base, tmp_path):
     tensors[k][0, 0] = float("nan")
     save_file(tensors, str(bad / "adapter_model.safetensors"))
     man = read_manifest(bad)
-    man["files"] = file_hashes(bad)
-    write_json_atomic(bad / MANIFEST, man)
+    man.files = file_hashes(bad)
+    write_manifest(bad, man)
     report = validate_adapter(bad, tiny_base)
     assert report.verdict == "fail" and any(c.id == "values.nonfinite" for c in report.checks)
     reg = registry.register_adapter(cfg, bad, "bad-adapter", report.to_dict())

@@ -80,15 +80,13 @@ def fleet(tmp_path_factory, tiny_base):
 
 def _register(fleet, name: str, seed: int, **kw) -> int:
     """A PEFT adapter with a manifest, validated and registered; returns its version number."""
-    from pipeline.artifacts.atomic import write_json_atomic
-    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+    from pipeline.artifacts.manifest import AdapterManifest, BaseModelRef, file_hashes, write_manifest
     from pipeline.registry import register_adapter
     from pipeline.validate import FleetRules, validate_adapter
 
     d = peft_adapter(fleet.base, fleet.root / f"src-{name}-{seed}", seed=seed, **kw)
-    write_json_atomic(
-        d / MANIFEST,
-        {"schema": 1, "name": name, "files": file_hashes(d), "base_model": {"id": str(fleet.base)}},
+    write_manifest(
+        d, AdapterManifest(name=name, files=file_hashes(d), base_model=BaseModelRef(id=str(fleet.base)))
     )
     rep = validate_adapter(d, fleet.base, FleetRules()).to_dict()
     return register_adapter(fleet.cfg, d, name, rep).version
@@ -496,8 +494,7 @@ def test_versioned_swap_answers_with_the_new_weights(fleet, fresh_v2, long_promp
 # Last in the module: its own project (registry, volume) and adapter name `txn`, on instances a and b.
 @pytest.fixture(scope="module")
 def txn(fleet):
-    from pipeline.artifacts.atomic import write_json_atomic
-    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+    from pipeline.artifacts.manifest import AdapterManifest, BaseModelRef, file_hashes, write_manifest
     from pipeline.validate import FleetRules, validate_adapter
     from tests.support.release_support import new_project
 
@@ -513,10 +510,8 @@ def txn(fleet):
     )
     for seed in (21, 22, 23):
         d = peft_adapter(fleet.base, fleet.root / f"src-txn-{seed}", seed=seed)
-        write_json_atomic(
-            d / MANIFEST,
-            {"schema": 1, "name": "txn", "files": file_hashes(d), "base_model": {"id": str(fleet.base)}},
-        )
+        man = AdapterManifest(name="txn", files=file_hashes(d), base_model=BaseModelRef(id=str(fleet.base)))
+        write_manifest(d, man)
         registry.register_adapter(cfg, d, "txn", validate_adapter(d, fleet.base, FleetRules()).to_dict())
     return cfg
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.artifacts.manifest import verify_files
+from pipeline.artifacts.manifest import MergedManifest, read_manifest, verify_files
 from pipeline.artifacts.safetensors import raw_header
 from pipeline.cli import app
 from pipeline.errors import UsageError
@@ -110,15 +110,16 @@ def test_cli_merge_parity_and_registry_tags(tiny_base, pattern_adapter, project,
     )
     assert res.exit_code == 0, res.output
     assert "parity pass" in res.output
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest(out)
+    assert isinstance(man, MergedManifest) and man.adapter.registered is None  # the adapter has no manifest
     n_pairs = (
         2 + 3 * 2 + 4 + 2
     )  # q,v in full layer 3; in_proj_qkv,out_proj in 3 linear; down x4; lm_head, embed
-    assert man["merge"]["lora_pairs"] == man["merge"]["merged_modules"] == n_pairs
-    p = man["parity"]
-    assert p["verdict"] == "pass" and p["greedy_equal"]
-    assert p["max_abs_diff"] <= p["tolerance"] < p["adapter_effect"] / 10
-    assert verify_files(out, man["files"]) == []  # sha256 computed while writing == the files on disk
+    assert man.merge.lora_pairs == man.merge.merged_modules == n_pairs
+    p = man.parity
+    assert p.verdict == "pass" and p.greedy_equal
+    assert p.max_abs_diff <= p.tolerance < p.adapter_effect / 10
+    assert verify_files(out, man.files) == []  # sha256 computed while writing == the files on disk
     tags = client.get_model_version("agent-tools", mv.version).tags
     assert tags["merge.parity"] == "pass" and tags["merge.merged_modules"] == str(n_pairs)
 
@@ -134,8 +135,8 @@ def test_merged_weights_equal_peft_merge(tiny_base, pattern_adapter, tmp_path):
     ours = load_file(str(tmp_path / "m" / "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_base), dtype=torch.float32)
     ref = PeftModel.from_pretrained(model, str(pattern_adapter)).merge_and_unload().state_dict()
-    assert len(res.merged) == res.manifest["merge"]["lora_pairs"]
-    scales = res.manifest["merge"]["scales"]
+    assert len(res.merged) == res.manifest.merge.lora_pairs
+    scales = res.manifest.merge.scales
     # rsLoRA alpha/sqrt(r): 16/sqrt(8) default, v_proj 64/sqrt(8), down_proj 16/sqrt(4), layer 3 q_proj 16/sqrt(16)
     assert scales == {"5.65685": 8, "22.6274": 1, "8": 4, "4": 1}
     for name in res.merged:
@@ -160,7 +161,7 @@ def test_vl_layout_byte_identity_and_equal_to_text_merge(tiny_base, tiny_vl_base
         tensor_bytes(tmp_path / "text"),
         tensor_bytes(tmp_path / "vl"),
     )
-    assert vl.manifest["merge"]["merged_modules"] == vl.manifest["merge"]["lora_pairs"] == 25
+    assert vl.manifest.merge.merged_modules == vl.manifest.merge.lora_pairs == 25
     assert set(vl_t) == set(base_t)
     assert any(n.startswith("mtp.") for n in base_t) and any(n.startswith("model.visual.") for n in base_t)
     for name, data in base_t.items():
@@ -175,8 +176,8 @@ def test_vl_layout_byte_identity_and_equal_to_text_merge(tiny_base, tiny_vl_base
     assert idx_out["weight_map"] == idx_base["weight_map"]
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / "vl" / f).read_bytes() == (tiny_vl_base / f).read_bytes()
-    assert "parity" not in text.manifest  # the library call without a gate records none
-    assert verify_files(tmp_path / "vl", vl.manifest["files"]) == []
+    assert text.manifest.parity is None  # the library call without a gate records none
+    assert verify_files(tmp_path / "vl", vl.manifest.files) == []
 
 
 def test_unmatched_keys_fail_and_leave_nothing(tiny_base, adapter, tmp_path):

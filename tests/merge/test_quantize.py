@@ -216,7 +216,7 @@ def test_merge_quantize_nvfp4(tiny_vl_base, vl_adapter, tmp_path):
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from pipeline.artifacts.manifest import read_manifest, verify_files
+    from pipeline.artifacts.manifest import MergedManifest, read_manifest, verify_files
     from pipeline.cli import app
     from pipeline.dev.tinybase import E2M1_GRID
 
@@ -227,13 +227,13 @@ def test_merge_quantize_nvfp4(tiny_vl_base, vl_adapter, tmp_path):
     assert r.exit_code == 0, r.output
     assert "engine-side parity pending" in r.output
     m = read_manifest(out)
-    assert m["kind"] == "merged-lora" and m["format"] == "nvfp4" and "requantization" not in m
-    q = m["quantization"]
-    assert q["tool"] == "nvidia-modelopt" and q["version"] == "0.47.0" and q["config"] == "NVFP4_DEFAULT_CFG"
-    assert q["extra_disabled"] == ["*mtp*", "*visual*"] and q["calibration"]["samples"] == 8
-    assert m["adapter"]["path"] == str(vl_adapter.resolve()) and m["base"]["fingerprint"]
-    assert m["merge"]["merged_modules"] == m["merge"]["lora_pairs"] > 0
-    assert m["served_parity"]["status"] == "pending" and not verify_files(out, m["files"])
+    assert isinstance(m, MergedManifest) and m.format == "nvfp4" and m.requantization is None
+    q = m.quantization
+    assert q.tool == "nvidia-modelopt" and q.version == "0.47.0" and q.config == "NVFP4_DEFAULT_CFG"
+    assert q.extra_disabled == ["*mtp*", "*visual*"] and q.calibration["samples"] == 8
+    assert m.adapter.path == str(vl_adapter.resolve()) and m.base.fingerprint
+    assert m.merge.merged_modules == m.merge.lora_pairs > 0
+    assert m.served_parity.status == "pending" and not verify_files(out, m.files)
     assert not [p for p in tmp_path.iterdir() if p.name != out.name]  # no bf16 scratch, no partial left
     src = {k: v for k, v in tensor_bytes(tiny_vl_base).items() if k.startswith("mtp.")}
     assert {k: v for k, v in tensor_bytes(out).items() if k.startswith("mtp.")} == src

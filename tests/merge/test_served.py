@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline.artifacts.manifest import MergedBase, MergedFrom, MergedManifest, MergeStats, write_manifest
 from pipeline.canary.result import EngineOutput
 from pipeline.merge.served import compare_outputs, record, served_tags, show
 
@@ -44,7 +45,13 @@ def test_a_near_tie_divergence_agrees():
 def _rec(tmp_path, verdict="pass"):
     d = tmp_path / "merged"
     d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"schema": 1, "kind": "merged-lora", "files": {}}))
+    man = MergedManifest(
+        files={},
+        base=MergedBase(path="/b"),
+        adapter=MergedFrom(path="/a"),
+        merge=MergeStats(dtype="bfloat16", lora_pairs=1, merged_modules=1),
+    )
+    write_manifest(d, man)
     side = {"engine_model": "m", "decode_tok_s": 90.5, "tpot_s": 0.011, "acceptance_length": 2.1}
     return {
         "time": "2026-12-01T00:00:00+00:00",

@@ -47,13 +47,13 @@ def test_lineage_dataset_run_model_version(trained, tiny_base):
     # run: params, dataset inputs with our sha256 as digest, per-step + summary metrics, artifacts
     run = client.get_run(res.run_id)
     assert reg.run_id == res.run_id
-    assert run.data.params["dataset_fingerprint"] == manifest["dataset"]["fingerprint"]
+    assert run.data.params["dataset_fingerprint"] == manifest.dataset.fingerprint
     assert run.data.params["axolotl.lora_r"] == "8"
     digests = {d.dataset.name: d.dataset.digest for d in run.inputs.dataset_inputs}
-    for f in manifest["dataset"]["files"]:
+    for f in manifest.dataset.files:
         from pathlib import Path
 
-        assert digests[Path(f["path"]).name] == sha256_file(Path(f["path"]))[:36]
+        assert digests[Path(f.path).name] == sha256_file(Path(f.path))[:36]
     loss = client.get_metric_history(res.run_id, "loss")
     assert len(loss) >= 2, "axolotl's MLflow integration logs the training loss per step"
     assert {"eval_loss", "learning_rate", "grad_norm", "tokens_per_s"} <= set(run.data.metrics)
@@ -75,15 +75,15 @@ def test_lineage_dataset_run_model_version(trained, tiny_base):
     mv = client.get_model_version(name, str(reg.version))
     assert mv.run_id == res.run_id and mv.source == f"models:/{reg.model_id}"
     assert mv.tags["weights_sha256"] == sha256_file(res.adapter_dir / "adapter_model.safetensors")
-    assert mv.tags["dataset_fingerprint"] == manifest["dataset"]["fingerprint"]
+    assert mv.tags["dataset_fingerprint"] == manifest.dataset.fingerprint
     assert mv.tags["validation.verdict"] == "pass"
-    assert mv.tags["base_fingerprint"] == manifest["base_model"]["fingerprint"]
-    assert float(mv.tags["eval_loss"]) == pytest.approx(manifest["metrics"]["eval_loss"], rel=1e-3)
+    assert mv.tags["base_fingerprint"] == manifest.base_model.fingerprint
+    assert float(mv.tags["eval_loss"]) == pytest.approx(manifest.metrics.eval_loss, rel=1e-3)
     for fact in (
         "LoRA r=8",
         str(tiny_base),
         "served on tiny-qwen3.5",
-        manifest["dataset"]["fingerprint"][:16],
+        manifest.dataset.fingerprint[:16],
         "eval_loss",
         "validation pass",
     ):

@@ -19,30 +19,38 @@ def adapter_with_manifest(
     base: Path, out: Path, seed: int, name: str = "agent", run_id: str | None = None, eval_loss: float = 1.25
 ) -> Path:
     """A PEFT adapter from `tests.support.helpers.peft_adapter` plus the manifest `pipeline train` writes."""
-    from pipeline.artifacts.atomic import write_json_atomic
-    from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
+    from pipeline.artifacts.manifest import (
+        AdapterManifest,
+        BaseModelRef,
+        DatasetRecord,
+        LoraSettings,
+        ServedRef,
+        TrainMetrics,
+        file_hashes,
+        package_versions,
+        write_manifest,
+    )
     from pipeline.train.launch import base_fingerprint
 
     peft_adapter(base, out, r=8, alpha=16, seed=seed)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (base / f).exists():
             shutil.copy2(base / f, out / f)
-    manifest = {
-        "schema": 1,
-        "name": name,
-        "created": "2026-01-01T00:00:00+00:00",
-        "files": file_hashes(out),
-        "base_model": {"id": str(base), "revision": None, "fingerprint": base_fingerprint(str(base))},
-        "served": {"checkpoint": "tiny-qwen3.5", "revision": None, "model": "tiny-qwen3.5"},
-        "dataset": {"fingerprint": f"{seed:02d}" * 32, "files": []},
-        "config_sha256": "c" * 64,
-        "adapter": {"r": 8, "lora_alpha": 16, "peft_type": "LORA"},
-        "versions": package_versions(),
-        "metrics": {"eval_loss": eval_loss, "train_loss": eval_loss + 0.1, "tokens_per_s": 1234.5},
-        "mlflow_run_id": run_id,
-        "gpus": 1,
-    }
-    write_json_atomic(out / MANIFEST, manifest)
+    manifest = AdapterManifest(
+        name=name,
+        created="2026-01-01T00:00:00+00:00",
+        files=file_hashes(out),
+        base_model=BaseModelRef(id=str(base), fingerprint=base_fingerprint(str(base))),
+        served=ServedRef(checkpoint="tiny-qwen3.5", model="tiny-qwen3.5"),
+        dataset=DatasetRecord(fingerprint=f"{seed:02d}" * 32),
+        config_sha256="c" * 64,
+        adapter=LoraSettings(r=8, lora_alpha=16, peft_type="LORA"),
+        versions=package_versions(),
+        metrics=TrainMetrics(eval_loss=eval_loss, train_loss=eval_loss + 0.1, tokens_per_s=1234.5),
+        mlflow_run_id=run_id,
+        gpus=1,
+    )
+    write_manifest(out, manifest)
     return out
 
 

@@ -2,7 +2,14 @@
 
 import shutil
 
-from pipeline.artifacts.fingerprint import config_inputs_sha256, manifest_fingerprint, training_inputs
+from pipeline.artifacts.fingerprint import (
+    base_identity,
+    config_inputs_sha256,
+    inputs_fingerprint,
+    manifest_fingerprint,
+    training_inputs,
+)
+from pipeline.artifacts.manifest import parse_manifest
 from pipeline.config import load_config
 from pipeline.registry.versions import FINGERPRINT_TAG, version_tags
 from pipeline.train.config import load_training_config
@@ -51,13 +58,20 @@ def test_every_registration_tags_the_manifest_fingerprint(tmp_path):
     """`register_adapter` (used by `pipeline register`, `demo` and `run`) tags `run.fingerprint`."""
     cfg = load_config(None)
     inputs = {"fingerprint": "f" * 64}
-    tags = version_tags(
-        cfg, {"inputs": inputs, "dataset": {"fingerprint": "d" * 64}}, {"verdict": "pass"}, None
-    )
+    new = parse_manifest({"files": {}, "inputs": inputs, "dataset": {"fingerprint": "d" * 64}})
+    tags = version_tags(cfg, new, {"verdict": "pass"}, None)
     assert tags[FINGERPRINT_TAG] == "f" * 64
     # a manifest from before the inputs block still gets a stable fingerprint
-    old = {"dataset": {"fingerprint": "d" * 64}, "config_sha256": "c" * 64, "base_model": {"id": "b"}}
-    assert version_tags(cfg, old, {}, None)[FINGERPRINT_TAG] == manifest_fingerprint(old)
+    old = {
+        "files": {},
+        "dataset": {"fingerprint": "d" * 64},
+        "config_sha256": "c" * 64,
+        "base_model": {"id": "b"},
+    }
+    fp = manifest_fingerprint(parse_manifest(old))
+    assert fp and version_tags(cfg, parse_manifest(old), {}, None)[FINGERPRINT_TAG] == fp
+    # ... the same value as before manifests were typed: sha256 of the three parts
+    assert fp == inputs_fingerprint("d" * 64, "c" * 64, base_identity("b", None, None))
 
 
 def test_dataset_paths_do_not_count_but_their_options_do():

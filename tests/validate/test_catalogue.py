@@ -48,8 +48,8 @@ def test_allow_accepts_any_declared_id(allowed):
 
 
 def test_an_allowed_error_is_kept_as_info_and_recorded(tmp_path, tiny_base):
-    from tests.validate.cases import edit_config
     from tests.support.helpers import peft_adapter
+    from tests.validate.cases import edit_config
 
     d = peft_adapter(tiny_base, tmp_path / "a")
     edit_config(d, r=16)  # keys.rank: tensors are r=8

@@ -129,10 +129,7 @@ def test_fold_rslora_keeps_every_scale(adapter, tiny_vl_base):
     after = scale_table(cfg.raw, modules)
     assert after == pytest.approx(before, rel=1e-12)
     man = read_manifest(adapter)
-    assert (
-        verify_files(adapter, man["files"]) == []
-        and man["normalised"]["rslora"]["before"]["use_rslora"] is True
-    )
+    assert verify_files(adapter, man.files) == [] and man.normalised["rslora"]["before"]["use_rslora"] is True
 
 
 def test_fold_handles_overlapping_patterns():
