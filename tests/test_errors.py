@@ -22,7 +22,7 @@ from tests.test_architecture import _modules
 
 # Exceptions that never leave their module: control flow between a raiser and its one catcher.
 INTERNAL = {
-    "pipeline.validate.rules.Unavailable": "a rule lacks a fact another rule reports: the orchestrator skips it",
+    "pipeline.validate.facts.Unavailable": "a rule lacks a fact another rule reports: the orchestrator skips it",
     "pipeline.validate.behaviour.BehaviourUnavailable": "caught by the behaviour rule, reported as a finding",
     "pipeline.registry.read.SchemaMismatch": "the SQL reader falls back to the MLflow client",
 }
@@ -35,7 +35,8 @@ def _exception_classes() -> dict[str, type]:
             continue
         mod = importlib.import_module(m)
         for _, cls in inspect.getmembers(mod, inspect.isclass):
-            if issubclass(cls, BaseException) and cls.__module__ == m:
+            # an Exception: `pipeline.interrupt.Interrupted` is a BaseException on purpose (exit 128 + signal)
+            if issubclass(cls, Exception) and cls.__module__ == m:
                 out[f"{m}.{cls.__name__}"] = cls
     return out
 

@@ -20,12 +20,13 @@ import re
 from pathlib import Path
 
 from pipeline.artifacts.adapter import adapter_tensors
+from pipeline.errors import CheckFailed
 
 _LOADED = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.weight)?$")
 
 
-class AdapterNotApplied(ValueError):
-    """peft loaded the adapter but some of its tensors name no module of the base model."""
+class AdapterNotApplied(CheckFailed, ValueError):
+    """peft loaded the adapter but some of its tensors name no module of the base model (exit 1, as a mismatch)."""
 
 
 def _model_class(base_dir: Path, tensor_names: list[str]):

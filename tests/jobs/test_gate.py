@@ -68,26 +68,27 @@ def test_losses_on_different_evaluation_sets_are_not_compared():
 def test_registered_metrics_are_exact_and_name_the_evaluation_set(registry_project, tiny_base, tmp_path):
     """The registry kept `eval_loss` as 4 significant digits ('6.888'); the gate then compared a rounded
     production loss with an exact candidate. Siblings: train_loss and tokens_per_s."""
+    from pipeline.artifacts.manifest import DatasetFile, read_adapter_manifest, write_manifest
     from pipeline.validate import validate_adapter
 
     cfg = registry_project
     d = adapter_with_manifest(tiny_base, tmp_path / "a", seed=3, eval_loss=6.887712478637695)
-    m = json.loads((d / "manifest.json").read_text())
-    m["dataset"]["files"] = [
-        {"path": "v.jsonl", "role": "validation", "sha256": "1" * 64},
-        {"path": "t.jsonl", "role": "train", "sha256": "2" * 64},
+    m = read_adapter_manifest(d)
+    m.dataset.files = [
+        DatasetFile(path="v.jsonl", role="validation", sha256="1" * 64),
+        DatasetFile(path="t.jsonl", role="train", sha256="2" * 64),
     ]
-    m["metrics"]["tokens_per_s"] = 1234.5678
-    (d / "manifest.json").write_text(json.dumps(m))
+    m.metrics.tokens_per_s = 1234.5678
+    write_manifest(d, m)
     name = f"exact-{uuid.uuid4().hex[:6]}"
     reg = registry.register_adapter(cfg, d, name, validate_adapter(d, tiny_base).to_dict())
     t = registry.resolve_version(cfg, name, version=reg.version).tags
     assert float(t["eval_loss"]) == 6.887712478637695 and t["eval_loss"] == "6.887712478637695"
     assert float(t["train_loss"]) == 6.887712478637695 + 0.1 and t["tokens_per_s"] == "1234.5678"
     assert t[EVAL] == eval_set_digest(m) and len(t[EVAL]) == 64
-    m["dataset"]["files"][1]["sha256"] = "3" * 64  # another training set: the same evaluation set
+    m.dataset.files[1].sha256 = "3" * 64  # another training set: the same evaluation set
     assert eval_set_digest(m) == t[EVAL]
-    m["dataset"]["files"][0]["sha256"] = "4" * 64
+    m.dataset.files[0].sha256 = "4" * 64
     assert eval_set_digest(m) != t[EVAL]
 
 
