@@ -13,7 +13,7 @@ from `os.wait4`, i.e. the child's ru_maxrss):
 
 The base is read once first so every variant starts with it in the page cache; variants run
 in alternating order (ABCD, DCBA, ...) with `sync` between runs, and the best of `--repeats`
-is reported. Targets (issue 7): peak RSS <= largest shard + 1 GB; time <= 1.25 x copy.
+is reported. Targets: peak RSS <= largest shard + 1 GB (issue 7); time <= 1.25 x copy+fsync (issue 29).
 
     .venv/bin/python benchmarks/merge.py [--layers 8] [--shard-gb 2] [--repeats 2] [--workdir /tmp]
 """
@@ -271,9 +271,12 @@ def main() -> None:
             f"{'OK' if merge_rss * 2**20 <= largest + 2**30 else 'MISSED'}"
         )
         print(
-            f"time {merge_w / copy_w:.2f}x copy, {merge_w / sync_w:.2f}x copy+fsync (target 1.25x): "
-            f"{'OK' if merge_w <= 1.25 * copy_w else 'MISSED vs plain copy'}"
+            f"time {merge_w / copy_w:.2f}x copy, {merge_w / sync_w:.2f}x copy+fsync (target 1.25x copy+fsync): "
+            f"{'OK' if merge_w <= 1.25 * sync_w else 'MISSED'}"
         )
+        # On a shared 2-core machine the wall time follows the CPU seconds each process gets; this ratio
+        # is what the merge costs whatever the other jobs do.
+        print(f"CPU seconds {best['merge'][2] / best['copy+fsync'][2]:.2f}x copy+fsync's")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -125,12 +125,12 @@ def test_packed_weights_dequantize_to_the_source(export, tiny_vl_base):
 
 def test_export_passes_validate_served(export, tiny_base, tiny_vl_base, tmp_path):
     """What the builder writes is what `validate --served` accepts: no served.* error for a tiny adapter."""
-    from pipeline.validate import validate_adapter
+    from pipeline.validate import FleetRules, validate_adapter
     from tests.support.helpers import peft_adapter
 
     out, _ = export
     adapter = peft_adapter(tiny_base, tmp_path / "a", r=8, alpha=16)
-    rep = validate_adapter(adapter, tiny_vl_base, served_dir=out)
+    rep = validate_adapter(adapter, tiny_vl_base, FleetRules(vllm_version="0.25.1"), served_dir=out)
     served = [c for c in rep.checks if c.id.startswith("served.")]
     assert not [c for c in served if c.severity == "error"], [(c.id, c.message) for c in served]
     assert rep.stats["served"]["quant_algo"] == "NVFP4"
@@ -254,6 +254,14 @@ def test_merge_quantize_nvfp4(tiny_vl_base, vl_adapter, tmp_path):
     scale = t[name + ".weight_scale"].float() * t[name + ".weight_scale_2"].float()
     deq = (mag.reshape(w.shape[0], -1, 16) * scale.unsqueeze(-1)).reshape(w.shape)
     assert (deq - merged).abs().mean() < 0.8 * (deq - w).abs().mean()
+    # and `validate --served` reads it as a served checkpoint of this base (geometry, modules, shapes)
+    from pipeline.validate import FleetRules, validate_adapter
+
+    # vLLM 0.25.1, the GPU fleet's version (0.19.x refuses NVFP4 linear_attn: served.nvfp4_gdn_scales)
+    rep = validate_adapter(vl_adapter, tiny_vl_base, FleetRules(vllm_version="0.25.1"), served_dir=out)
+    served = [c for c in rep.checks if c.id.startswith("served.") and c.severity == "error"]
+    assert not served, [(c.id, c.message) for c in served]
+    assert rep.stats["served"]["quant_algo"] == "NVFP4" and rep.stats["served"]["layout"] == "vl"
 
 
 def test_merge_quantize_failure_leaves_nothing(tiny_vl_base, vl_adapter, tmp_path, monkeypatch):
