@@ -52,13 +52,9 @@ def trainings(root: Path, runs: int, steps: int | None) -> list[dict]:
                 sets += [f"max_steps={steps}", f"eval_steps={steps}", f"save_steps={steps}"]
             t = time.time()
             res = train(cfg, REPO / "axolotl_configs" / "tiny-cpu.yml", overrides=sets, show_progress=False)
-            m = res.manifest["metrics"]
-            out.append(
-                {"eval_loss": m.get("eval_loss"), "train_loss": m.get("train_loss"), "s": time.time() - t}
-            )
-            print(
-                f"run {i + 1}/{runs}: eval_loss {m.get('eval_loss')!r} ({time.time() - t:.0f} s)", flush=True
-            )
+            m = res.manifest.metrics
+            out.append({"eval_loss": m.eval_loss, "train_loss": m.train_loss, "s": time.time() - t})
+            print(f"run {i + 1}/{runs}: eval_loss {m.eval_loss!r} ({time.time() - t:.0f} s)", flush=True)
     finally:
         os.chdir(cwd)
     return out
