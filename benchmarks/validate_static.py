@@ -47,7 +47,11 @@ def base_tensors(prefix: str, quantized: bool = False) -> dict[str, tuple[str, t
         f"{prefix}norm.weight": ("BF16", (H,)),
         "lm_head.weight": ("BF16", (VOCAB, H)),
         "mtp.fc.weight": ("BF16", (H, 2 * H)),
+        "mtp.norm.weight": ("BF16", (H,)),
     }
+    # the MTP layer: one full-attention decoder layer, bf16 in both checkpoints (hf_quant_config excludes mtp*)
+    for m, (o, n) in (dict(MLP) | FULL).items():
+        t[f"mtp.layers.0.{m}.weight"] = ("BF16", (o, n))
     for i, lt in enumerate(LAYER_TYPES):
         p = f"{prefix}layers.{i}."
         t[p + "input_layernorm.weight"] = ("BF16", (H,))

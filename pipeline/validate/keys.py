@@ -455,7 +455,7 @@ def _expected(ctx) -> dict[str, set[int]]:
     prefix = _layout_prefix(ctx)
     out: dict[str, set[int]] = {}
     for i in range(base.num_layers):
-        for sub in base.layer_modules(i) & ctx.allowed_modules(i):
+        for sub in ctx.base_layer_modules[i] & ctx.allowed_modules(i):
             if peft_targets(cfg.raw, f"{prefix}layers.{i}.{sub}"):
                 out.setdefault(sub, set()).add(i)
     return out

@@ -182,7 +182,7 @@ def size_band(ctx: AdapterFacts):
     prefix = "model.language_model." if layouts == {"vl"} else "model."
     params = 0
     for i in range(base.num_layers):
-        for sub in base.layer_modules(i) & ctx.allowed_modules(i):
+        for sub in ctx.base_layer_modules[i] & ctx.allowed_modules(i):
             name = f"{prefix}layers.{i}.{sub}"
             if peft_targets(cfg.raw, name) and (shape := base.linear_shape(f"layers.{i}.{sub}")):
                 params += cfg.rank_for(name) * (shape[0] + shape[1])
