@@ -1,23 +1,30 @@
 """Latency of the everyday commands, each a fresh `pipeline` process, against `pipeline --help` in the same run.
 
     .venv/bin/python benchmarks/cli_latency.py [--repeats 5] [--out benchmarks/results/cli_latency.json]
+    .venv/bin/python benchmarks/cli_latency.py --smoke     # one round, no server: the harness works
 
 Setup (not timed): a project in a temp dir (pipeline.yaml, embedded sqlite MLflow, volume), the
-tiny Qwen3.5 base, two adapters with manifests registered as versions 1 and 2 (validated), v1
-published. Then, `--repeats` times each, round-robin so load drifts hit every command alike:
+tiny Qwen3.5 base, adapters with manifests; versions 1 and 2 registered (validated), v1 published.
+Then, `--repeats` times each, round-robin so load drifts hit every command alike:
 
 | command | what it does |
 |---|---|
 | `--help` | the baseline: Python start-up + typer, no command module |
+| `import mlflow` | `python -c "import mlflow"`: what every MLflow write costs first |
+| `MLflow client + store` | import, `MlflowClient(sqlite)`, one registry read: the floor of a command that writes through MLflow's client |
 | `status` / `status --json` | the registry read (pipeline.registry.read: sqlite read-only, no mlflow) |
-| `status` via the MLflow client | the same rows through `read_mlflow` (what `status` did before), for comparison |
 | `validate` | the demo-sized adapter against the base, no `--behaviour` |
+| `register` | validate + record a new version (a fresh adapter each time) |
 | `promote` | alternates v1/v2, both already on the volume: publish's overhead beyond copying, no fleet |
 | `rollback` | production back to previous (no fleet) |
+| `dataset check` | 30 chat lines, no tokenizer |
+| `ui` (until /health) | `pipeline ui --port 0` until the server answers, then SIGTERM |
 
-Goals (issue 17): `status` < 1.5 s on the embedded default, `validate` < 2 s, publish overhead
-< 2 s. The table prints median and max wall seconds, the ratio to `--help`'s median, the goal
-and whether the median meets it. Results also go to `--out` as JSON.
+Each row gives median and max wall seconds, the median CPU seconds of the process tree (user +
+system, from `getrusage(RUSAGE_CHILDREN)`: what the command costs on an idle core, whatever the
+load), the ratio to `--help`'s median, the goal and whether the median CPU time meets it. Goals:
+issue 17 (`status` < 1.5 s, `validate` < 2 s) and issue 27 (state-changing commands < 2 s idle).
+Results go to `--out` as JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,84 +64,131 @@ def setup(root: Path) -> tuple[dict, Path, Path]:
     for a in adapters:
         register_adapter(cfg, a, "agent-tools", validate_adapter(a, base).to_dict())
     publish(cfg, "agent-tools", version=1)
+    lines = (REPO / "datasets" / "agent_chat_train.jsonl").read_text().splitlines()[:30]
+    (root / "thirty.jsonl").write_text("\n".join(lines) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(PIPELINE_CONFIG=str(cfg_path), PYTHONPATH=str(REPO))
     return env, adapters[0], base
 
 
-def timed(args: list[str], env: dict, cwd: Path) -> float:
-    t = time.perf_counter()
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(args: list[str], env: dict, cwd: Path) -> tuple[float, float]:
+    """(wall s, CPU s of the process tree) of one run; RuntimeError if it fails."""
+    c, t = _children_cpu(), time.perf_counter()
     r = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True)
-    dt = time.perf_counter() - t
+    dt, cpu = time.perf_counter() - t, _children_cpu() - c
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} exited {r.returncode}:\n{r.stderr[-2000:]}")
-    return dt
+    return dt, cpu
+
+
+def timed_ui(env: dict, cwd: Path) -> tuple[float, float]:
+    """`pipeline ui --port 0` until it prints its URL (after /health answered), then SIGTERM."""
+    c, t = _children_cpu(), time.perf_counter()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "ui", "--port", "0"],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = p.stdout.readline()
+    dt = time.perf_counter() - t
+    p.send_signal(signal.SIGTERM)
+    p.wait(60)
+    if not line.startswith("MLflow UI:"):
+        raise RuntimeError(f"pipeline ui printed {line!r}")
+    return dt, _children_cpu() - c
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="one round, no `ui` row, nothing written")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cli_latency.json")
     args = ap.parse_args()
+    repeats = 1 if args.smoke else args.repeats
     with tempfile.TemporaryDirectory(prefix="cli-latency-") as td:
         root = Path(td)
         env, adapter, base = setup(root)
+        uri = f"sqlite:///{root / 'state' / 'mlflow.db'}"
         p = ["-m", "pipeline"]
-        mlflow_status = [
-            "-c",
-            "from pipeline.config import load_config\nfrom pipeline.registry.read import read_mlflow\n"
-            "read_mlflow(load_config(None), None)",
-        ]
-        commands = {
+        floor = (
+            "from mlflow import MlflowClient\n"
+            f"MlflowClient({uri!r}, registry_uri={uri!r}).get_registered_model('agent-tools')"
+        )
+        # name -> (argv or a special, goal seconds or None)
+        commands: dict[str, tuple[object, float | None]] = {
             "--help": ([*p, "--help"], None),
+            "import mlflow": (["-c", "import mlflow"], None),
+            "MLflow client + store": (["-c", floor], None),
             "status": ([*p, "status", "--no-fleet"], 1.5),
             "status --json": ([*p, "status", "--json"], 1.5),
-            "status (MLflow client)": (mlflow_status, None),
             "validate": ([*p, "validate", str(adapter), "--base", str(base)], 2.0),
-            "promote (no copy, no fleet)": (None, 2.0),
+            "register": ("register", 2.0),
+            "promote (no copy, no fleet)": ("promote", 2.0),
             "rollback (no fleet)": ([*p, "rollback", "agent-tools"], 2.0),
+            "dataset check (30 lines)": ([*p, "dataset", "check", str(root / "thirty.jsonl")], 2.0),
         }
-        times: dict[str, list[float]] = {k: [] for k in commands}
+        if not args.smoke:
+            commands["ui (until /health)"] = ("ui", None)
+        wall: dict[str, list[float]] = {k: [] for k in commands}
+        cpu: dict[str, list[float]] = {k: [] for k in commands}
         load = []
-        for i in range(args.repeats):
+        for i in range(repeats):
             load.append(os.getloadavg()[0])
             for name, (cmd, _) in commands.items():
-                if cmd is None:  # promote alternates, so production moves every time
-                    cmd = [*p, "promote", "agent-tools", str(2 - i % 2)]
-                times[name].append(timed(cmd, env, root))
-    base_med = statistics.median(times["--help"])
+                if cmd == "ui":
+                    w, c = timed_ui(env, root)
+                else:
+                    if cmd == "promote":  # alternates, so production moves every time
+                        cmd = [*p, "promote", "agent-tools", str(2 - i % 2)]
+                    elif cmd == "register":  # a new adapter each time: a new version
+                        a = adapter_with_manifest(base, root / f"r{i}", seed=100 + i)
+                        cmd = [*p, "register", str(a), "--name", "agent-tools", "--base", str(base)]
+                    w, c = timed(cmd, env, root)
+                wall[name].append(w)
+                cpu[name].append(c)
+    base_med = statistics.median(wall["--help"])
     rows = []
     for name, (_, goal) in commands.items():
-        med = statistics.median(times[name])
+        med, cmed = statistics.median(wall[name]), statistics.median(cpu[name])
         rows.append(
             {
                 "command": name,
                 "median_s": round(med, 3),
-                "max_s": round(max(times[name]), 3),
+                "max_s": round(max(wall[name]), 3),
+                "cpu_median_s": round(cmed, 3),
                 "ratio_to_help": round(med / base_med, 2),
                 "goal_s": goal,
-                "met": None if goal is None else med < goal,
-                "runs": [round(t, 3) for t in times[name]],
+                "met": None if goal is None else cmed < goal,
+                "runs": [round(t, 3) for t in wall[name]],
+                "cpu_runs": [round(t, 3) for t in cpu[name]],
             }
         )
     print(
-        f"\nCLI latency, {args.repeats} runs each, load average {min(load):.1f}-{max(load):.1f}, "
+        f"\nCLI latency, {repeats} runs each, load average {min(load):.1f}-{max(load):.1f}, "
         f"{os.cpu_count()} CPUs ({platform.python_version()})\n"
     )
-    print(f"| {'command':<28} | median s | max s | x --help | goal s | met |")
-    print(f"|{'-' * 30}|----------|-------|----------|--------|-----|")
+    print(f"| {'command':<28} | median s | max s | CPU s | x --help | goal s | met (CPU) |")
+    print(f"|{'-' * 30}|----------|-------|-------|----------|--------|-----------|")
     for r in rows:
         goal = "" if r["goal_s"] is None else f"< {r['goal_s']}"
         met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
         print(
-            f"| {r['command']:<28} | {r['median_s']:8.2f} | {r['max_s']:5.2f} | {r['ratio_to_help']:8.2f} | "
-            f"{goal:>6} | {met:>3} |"
+            f"| {r['command']:<28} | {r['median_s']:8.2f} | {r['max_s']:5.2f} | {r['cpu_median_s']:5.2f} | "
+            f"{r['ratio_to_help']:8.2f} | {goal:>6} | {met:>9} |"
         )
+    if args.smoke:
+        return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps(
-            {"repeats": args.repeats, "load_average": load, "cpus": os.cpu_count(), "rows": rows}, indent=2
-        )
+        json.dumps({"repeats": repeats, "load_average": load, "cpus": os.cpu_count(), "rows": rows}, indent=2)
         + "\n"
     )
     print(f"\nwrote {args.out}")
