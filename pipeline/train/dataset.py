@@ -219,7 +219,76 @@ def message_reader(ds_cfg: dict | None = None, config: dict | None = None, token
     strategy = ChatTemplateStrategy.__new__(ChatTemplateStrategy)
     strategy.prompter = prompter
     strategy.split_thinking = bool(ds.get("split_thinking"))
-    return lambda row: strategy.get_conversation_thread(copy.deepcopy(row))
+
+    def read(row):
+        return strategy.get_conversation_thread(copy.deepcopy(row))
+
+    # What axolotl keeps of a message (chat_template.py transform_message): the mapped source keys, the
+    # variables the template reads from a message, and the training fields; every other key is dropped.
+    read.keeps = (
+        frozenset(prompter.message_property_mappings.values())
+        | frozenset(prompter.chat_template_msg_variables)
+        | {f for f in (ds.get("message_field_training"), ds.get("message_field_training_detail")) if f}
+    )
+    read.template = template if tokenizer is not None else None
+    return read
+
+
+THINKING_KEYS = {
+    "thinking",
+    "reasoning",
+    "thought",
+    "thoughts",
+    "think",
+    "reasoning_text",
+    "chain_of_thought",
+}
+
+
+def dropped_keys(raw, keeps) -> list[str]:
+    """Message keys with a value that axolotl's reader drops (not mapped, not read by the template)."""
+    if not isinstance(raw, list):
+        return []
+    return sorted(
+        {
+            k
+            for m in raw
+            if isinstance(m, dict)
+            for k, v in m.items()
+            if k not in keeps and v not in (None, "", [], {})
+        }
+    )
+
+
+def eos_problem(tokenizer, template: str | None, config: dict | None) -> str | None:
+    """Why the tokenizer's eos_token is not the token that ends an assistant turn in `template`, or None.
+
+    axolotl trains the EOS token at the end of each assistant turn (chat_template strategy, `train_on_eos`
+    turn): when the template ends turns with another token, the turn terminator is never learned and the
+    adapter does not stop. The eos of the config's `special_tokens` wins over the tokenizer's."""
+    if tokenizer is None or not template:
+        return None
+    st = (config or {}).get("special_tokens")
+    eos = st.get("eos_token") if isinstance(st, dict) and st.get("eos_token") else tokenizer.eos_token
+    marker = "ZQXJ marker reply"  # as pipeline.validate.template.turn_terminator probes it
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that does not render is reported by validate/train
+        return None
+    if marker not in text:
+        return None
+    tail = text[text.rindex(marker) + len(marker) :]
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    term = next((t for t in tokenizer.convert_ids_to_tokens(ids) if t in special), None)
+    if term is None or term == eos:
+        return None
+    return (
+        f"assistant turns end with {term!r} in the chat template but the eos_token is {eos!r}: axolotl trains the "
+        "EOS token at the end of each assistant turn, so the turn terminator is never learned and the adapter does "
+        f'not stop; set special_tokens: {{eos_token: "{term}"}} in the axolotl config'
+    )
 
 
 def _canonical(messages) -> str:
@@ -253,6 +322,7 @@ def check_datasets(
     default_roles = tuple(roles_to_train)
     report = DatasetReport(sequence_len=sequence_len)
     readers: dict[str, Callable] = {}
+    eos_checked: set[str] = set()
     seen: dict[str, str] = {}
     train_keys: set[str] = set()
     for role, files in (("train", train), ("validation", validation)):
@@ -266,6 +336,10 @@ def check_datasets(
             if key not in readers:
                 readers[key] = message_reader(ds_cfg, config, tokenizer)
             read = readers[key]
+            if key not in eos_checked:
+                eos_checked.add(key)
+                if msg := eos_problem(tokenizer, getattr(read, "template", None), config):
+                    report.findings.append(_error(str(path), msg, id="dataset.eos"))
             roles_to_train = tuple(ds_cfg.get("roles_to_train") or default_roles)
             fm = ds_cfg.get("field_messages") or "messages"
             lengths: list[int] = []
@@ -332,6 +406,16 @@ def check_datasets(
                         _error(where, f"axolotl cannot read this conversation from {fm!r}: {e}".strip())
                     )
                     continue
+                if dropped := sorted(set(dropped_keys(raw, read.keeps)) & THINKING_KEYS):
+                    report.findings.append(
+                        _error(
+                            where,
+                            f"message key(s) {dropped} hold reasoning, but axolotl's chat_template reader drops "
+                            f"them (it keeps {sorted(read.keeps)}): that reasoning is never trained; name the key "
+                            f"reasoning_content, or set field_thinking: {dropped[0]} in this datasets entry",
+                            id="dataset.message_key",
+                        )
+                    )
                 found = check_conversation(messages, where, roles_to_train)
                 report.findings.extend(found)
                 if any(f.severity == "error" for f in found):

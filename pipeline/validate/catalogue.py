@@ -55,6 +55,20 @@ DECLARED: tuple[Entry, ...] = (
         "a conversation with no assistant turn axolotl would train on",
         _DATASET,
     ),
+    Entry(
+        "dataset.message_key",
+        "error",
+        "a message key holding reasoning (`thinking`, `reasoning`...) that axolotl's reader drops (not mapped, "
+        "not read by the template)",
+        _DATASET,
+    ),
+    Entry(
+        "dataset.eos",
+        "error",
+        "the tokenizer's eos_token is not the token that ends an assistant turn in the chat template (the adapter "
+        "never learns to stop)",
+        _DATASET,
+    ),
     Entry("dataset.duplicate", "warning", "an exact duplicate conversation", _DATASET),
     Entry(
         "dataset.overlap",

@@ -462,12 +462,49 @@ class Context(CheckpointFacts, TemplateFacts):
         return template.training_side(self.adapter_dir, self.options.training_config, self.base_dir)
 
     def _added_tokens(self) -> AddedTokens:
+        """Tokens the adapter's tokenizer files add that the served tokenizer lacks: tokenizer.json's
+        added_tokens, and the slow-tokenizer files transformers also adds from when it loads the tokenizer
+        (`added_tokens.json` {token: id}, `special_tokens_map.json` values and additional_special_tokens)."""
         atok, served = self.adapter_tokenizer.value, self.served_tokenizer.value
-        if atok is None or served is None:
+        if served is None:
             return AddedTokens([], "")
-        s_added = served.added()
-        added = sorted((t, i) for t, i in atok.added().items() if t not in s_added)
-        return AddedTokens(added, str(self.adapter_dir / "tokenizer.json"))
+        s_added, s_vocab = served.added(), served.vocab()
+        added, where = [], ""
+        if atok is not None:
+            added = sorted((t, i) for t, i in atok.added().items() if t not in s_added)
+            where = str(self.adapter_dir / "tokenizer.json") if added else ""
+        for name, tokens in self._slow_tokenizer_tokens().items():
+            new = sorted({t for t in tokens if t not in s_vocab and t not in {a for a, _ in added}})
+            if new:
+                added += [(t, None) for t in new]
+                where = where or str(self.adapter_dir / name)
+        return AddedTokens(added, where)
+
+    def _slow_tokenizer_tokens(self) -> dict[str, list[str]]:
+        """{file: token strings} from added_tokens.json and special_tokens_map.json shipped with the adapter
+        (regular files only; an unreadable one is tokenizer.unreadable's finding when tokenizer.json loads it)."""
+        import json
+
+        out: dict[str, list[str]] = {}
+        for name in ("added_tokens.json", "special_tokens_map.json"):
+            p = self.adapter_dir / name
+            if p not in self.scan.files or p.stat().st_size > 16 << 20:
+                continue
+            try:
+                data = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(data, dict):
+                continue
+            values = list(data) if name == "added_tokens.json" else list(data.values())
+            tokens: list[str] = []
+            for v in values:
+                for x in v if isinstance(v, list) else [v]:
+                    text = x.get("content") if isinstance(x, dict) else x
+                    if isinstance(text, str):
+                        tokens.append(text)
+            out[name] = tokens
+        return out
 
     @property
     def template_unchecked(self) -> str | None:

@@ -98,6 +98,17 @@ CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
         ],
         None,
     ),
+    # reasoning on an earlier turn too: templates differ in which turns keep it (every turn, the last only,
+    # those after the last user message), which no conversation with reasoning on its last turn alone shows
+    "reasoning_history": (
+        [
+            {"role": "user", "content": "Is 91 prime?"},
+            {"role": "assistant", "reasoning_content": "91 = 7 x 13.", "content": "No."},
+            {"role": "user", "content": "And 97?"},
+            {"role": "assistant", "reasoning_content": "No divisor up to 9.", "content": "Yes."},
+        ],
+        None,
+    ),
 }
 MARKER = "ZQXJ marker reply"
 

@@ -202,3 +202,38 @@ def test_train_preflight_reads_the_config_mapping(tmp_path):
     )
     rep = check_inputs(load_config(None), tc, set())
     assert rep.ok and rep.files[0].conversations == 120
+
+
+@pytest.mark.parametrize("key", ["thinking", "reasoning", "thoughts"])
+def test_reasoning_under_another_key_is_refused(tmp_path, key):
+    """Issue 25.11: axolotl's reader keeps mapped keys and what the template reads; `thinking` is dropped, so the
+    reasoning is never trained (siblings: `reasoning`, `thoughts`)."""
+    row = {
+        "messages": [
+            {"role": "user", "content": "Is 91 prime?"},
+            {"role": "assistant", key: "91 = 7 x 13.", "content": "No."},
+        ]
+    }
+    rep = check_datasets([write(tmp_path / "d.jsonl", [GOOD, row])])
+    err = next(f for f in rep.errors if f.id == "dataset.message_key")
+    assert (
+        err.where == f"{tmp_path / 'd.jsonl'}:2" and key in err.message and "reasoning_content" in err.message
+    )
+    ok = {"messages": [row["messages"][0], {"role": "assistant", "reasoning_content": "x", "content": "No."}]}
+    assert check_datasets([write(tmp_path / "ok.jsonl", [ok])]).ok
+
+
+def test_eos_that_is_not_the_turn_terminator_is_refused(tmp_path, tiny_base):
+    """Issue 25.11: dataset check compares the eos token with what ends an assistant turn in the template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    f = write(tmp_path / "d.jsonl", [GOOD])
+    assert not [x for x in check_datasets([f], tokenizer=tok).findings if x.id == "dataset.eos"]
+    tok.eos_token = "<|endoftext|>"
+    rep = check_datasets([f], tokenizer=tok)
+    err = next(x for x in rep.errors if x.id == "dataset.eos")
+    assert "'<|im_end|>'" in err.message and "'<|endoftext|>'" in err.message
+    # the config's special_tokens override fixes it, as it would in axolotl
+    fixed = check_datasets([f], tokenizer=tok, config={"special_tokens": {"eos_token": "<|im_end|>"}})
+    assert not [x for x in fixed.findings if x.id == "dataset.eos"]

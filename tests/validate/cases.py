@@ -192,6 +192,26 @@ def _template_only(drift):
     return fn
 
 
+def _reasoning_after_last_query(t: str) -> str:
+    """Keep reasoning only on assistant turns after the last user message (Qwen3's `last_query_index` rule)."""
+    head = "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}\n"
+    body = t.replace(
+        "{%- if message.reasoning_content %}", "{%- if message.reasoning_content and loop.index0 > ns.last %}"
+    )
+    i = t.index("#}") + 2  # after the comment block
+    return body[:i] + "\n" + head + body[i:]
+
+
+def _slow_added(name: str, data: dict):
+    """The base's tokenizer files plus `name` (added_tokens.json / special_tokens_map.json) adding tokens."""
+
+    def fn(d, env):
+        _with_tokenizer(d, env)
+        (d / name).write_text(json.dumps(data))
+
+    return fn
+
+
 def _tool_drift(t: str) -> str:
     return t.replace("'\\n<tool_response>\\n'", "'<tool_response>'")
 
@@ -1020,6 +1040,49 @@ CASES = [
         ("dir", _template_only(_genprompt_drift)),
         {},
         ["generation prompt", "<think>"],
+        {},
+    ),
+    # issue 25.11: a template that keeps reasoning_content on the last turn only (and, a sibling, only after the
+    # last user message, as Qwen3's does) diverges from one that keeps it on every turn only in a conversation
+    # with reasoning in its history
+    (
+        "template.divergence",
+        "error",
+        (
+            "dir",
+            _template_only(
+                lambda t: t.replace(
+                    "{%- if message.reasoning_content %}", "{%- if message.reasoning_content and loop.last %}"
+                )
+            ),
+        ),
+        {},
+        ["reasoning_history", "<think>"],
+        {},
+    ),
+    (
+        "template.divergence",
+        "error",
+        ("dir", _template_only(_reasoning_after_last_query)),
+        {},
+        ["reasoning_history"],
+        {},
+    ),
+    # siblings: tokens added only through the slow-tokenizer files transformers also reads
+    (
+        "tokenizer.added_tokens",
+        "error",
+        ("dir", _slow_added("added_tokens.json", {"<my_tool>": 1024})),
+        {},
+        ["<my_tool>", "added_tokens.json"],
+        {},
+    ),
+    (
+        "tokenizer.added_tokens",
+        "error",
+        ("dir", _slow_added("special_tokens_map.json", {"additional_special_tokens": ["<sep2>"]})),
+        {},
+        ["<sep2>"],
         {},
     ),
     (

@@ -313,7 +313,7 @@ def test_static_validation_imports_neither_torch_nor_transformers(
         "import sys; from pathlib import Path; from pipeline.validate import FleetRules, validate_adapter;"
         f"r = validate_adapter(Path({str(d)!r}), Path({str(tiny_vl_base)!r}),"
         f" FleetRules(served_path=Path({str(served)!r}), vllm_version='0.32.0'));"
-        "assert r.stats['template_conversations']['rendered'] == 5, r.to_dict();"
+        "assert r.stats['template_conversations']['rendered'] == 6, r.to_dict();"
         "print(r.verdict, 'torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run(
