@@ -21,7 +21,6 @@ from pathlib import Path
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.merge.plan import CHUNK_BYTES, SKIP_FILES, SKIP_SUFFIXES, Entry, MergeError, ShardPlan
 
-COPY_BYTES = 64 << 20
 PAGE = mmap.PAGESIZE
 
 
@@ -37,34 +36,6 @@ def _header_bytes(entries: list[Entry], metadata: dict | None) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_all(fd: int, buf) -> None:
-    mv = memoryview(buf).cast("B")
-    while mv:
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
-def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
-    """Copy `length` bytes at `offset` of src to dst's current position, in the kernel (`copy_file_range`)."""
-    done = 0
-    try:
-        while done < length:
-            n = os.copy_file_range(src_fd, dst_fd, min(length - done, 1 << 30), offset + done)
-            if n == 0:
-                raise OSError(f"source ended {length - done} bytes early")
-            done += n
-        return
-    except OSError as e:
-        if done or getattr(e, "errno", None) is None:
-            raise
-    while done < length:  # filesystems without copy_file_range (EXDEV/ENOSYS/EINVAL)
-        chunk = os.pread(src_fd, min(COPY_BYTES, length - done), offset + done)
-        if not chunk:
-            raise OSError(f"source ended {length - done} bytes early")
-        _write_all(dst_fd, chunk)
-        done += len(chunk)
-
-
 def _drop(mm: mmap.mmap, start: int, end: int) -> None:
     """Unmap pages of the source that are done (page cache keeps them): RSS stays a few chunks."""
     lo, hi = start - start % PAGE, end - end % PAGE
@@ -72,26 +43,135 @@ def _drop(mm: mmap.mmap, start: int, end: int) -> None:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
-def _hash_range(h, mm: mmap.mmap, start: int, length: int) -> None:
-    """sha256 of bytes the kernel copied, read from the source's mapping (never from the output)."""
-    view = memoryview(mm)
-    try:
-        for off in range(start, start + length, COPY_BYTES):
-            end = min(off + COPY_BYTES, start + length)
-            h.update(view[off:end])
-            _drop(mm, off, end)
-    finally:
+class StagedWriter:
+    """A shard written sequentially through a few page-aligned staging buffers, with `O_DIRECT` where the
+    filesystem has it.
+
+    Why: writing 6 GB through the page cache cost the merge more CPU than anything else on the shared
+    2-core machine (allocating and reclaiming page cache under the team's memory pressure: ~8 of ~16
+    CPU-s in benchmarks/merge.py), while `O_DIRECT` writes of 8 MB aligned buffers took ~0.1 CPU-s per
+    GB at the disk's full speed, and leave nothing for `fsync` to flush. The producer computes or reads
+    straight into the staging buffer (`space`/`commit`: no extra copy); a full buffer is written by one
+    thread and hashed (sha256, in order) by another while the producer fills the next. The last partial
+    block is written without `O_DIRECT` (its length is not a multiple of the block size).
+    """
+
+    BUF = 8 << 20
+    NBUF = 3
+
+    def __init__(self, path: Path, h, writer, hasher):
+        self.h, self.writer, self.hasher = h, writer, hasher
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self.path = path
+        try:
+            self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+            self.direct = hasattr(os, "O_DIRECT")
+        except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
+            self.fd, self.direct = os.open(path, flags, 0o644), False
+        self.bufs = [mmap.mmap(-1, self.BUF) for _ in range(self.NBUF)]  # anonymous maps are page-aligned
+        self.busy: list[tuple] = [() for _ in self.bufs]
+        self.i = 0  # current buffer
+        self.fill = 0  # bytes in it
+        self.offset = 0  # file offset of the current buffer
+        self.futures: list = []
+
+    def _flush(self) -> None:
+        buf, n, off = self.bufs[self.i], self.fill, self.offset
+        if n == 0:
+            return
+        fs = []
+        if self.h is not None:
+            fs.append(self.hasher.submit(self._hash, memoryview(buf)[:n]))
+        fs.append(self.writer.submit(self._pwrite, memoryview(buf)[:n], off))
+        self.busy[self.i] = tuple(fs)
+        self.futures += fs
+        self.i = (self.i + 1) % len(self.bufs)
+        for f in self.busy[self.i]:
+            f.result()  # the writer and the hasher are done with the next buffer
+        self.busy[self.i] = ()
+        self.offset += n
+        self.fill = 0
+
+    def _hash(self, view) -> None:
+        self.h.update(view)
         view.release()
 
+    def _pwrite(self, view, off: int) -> None:
+        n = len(view)
+        aligned = n - n % 4096 if self.direct else n
+        done = 0
+        while done < aligned:
+            done += os.pwrite(self.fd, view[done:aligned], off + done)
+        if done < n:  # O_DIRECT needs block-aligned lengths: the tail through a buffered descriptor
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                while done < n:
+                    done += os.pwrite(fd, view[done:], off + done)
+            finally:
+                os.close(fd)
+        view.release()
 
-def _write_merged(src: mmap.mmap, entry: Entry, a, b, advance, out, device) -> None:
-    """W + scale * (B @ A) in fp32, in row chunks, cast once; each chunk handed to `out` (write + sha256).
+    def space(self, want: int) -> memoryview:
+        """A writable view of up to `want` bytes at the current position (at least 1 byte)."""
+        if self.fill == self.BUF:
+            self._flush()
+        return memoryview(self.bufs[self.i])[self.fill : self.fill + min(want, self.BUF - self.fill)]
+
+    def commit(self, n: int) -> None:
+        self.fill += n
+
+    def put(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        while mv:
+            sp = self.space(len(mv))
+            sp[:] = mv[: len(sp)]
+            k = len(sp)
+            sp.release()
+            self.commit(k)
+            mv = mv[k:]
+
+    def copy_from(self, src_fd: int, offset: int, length: int) -> None:
+        """`length` bytes at `offset` of the source, read straight into the staging buffers."""
+        done = 0
+        while done < length:
+            sp = self.space(length - done)
+            got = os.preadv(src_fd, [sp], offset + done)
+            sp.release()
+            if got <= 0:
+                raise OSError(f"source ended {length - done} bytes early")
+            self.commit(got)
+            done += got
+
+    def close(self) -> None:
+        """Write what is left and wait for every write; raises the first write or hash error."""
+        try:
+            if self.fill:
+                self._flush()
+            for f in self.futures:
+                f.result()
+        finally:
+            os.close(self.fd)
+            for b in self.bufs:
+                b.close()
+
+    def abort(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        for f in self.futures:
+            if not f.cancelled():
+                f.exception()
+        os.close(self.fd)
+
+
+def _write_merged(src: mmap.mmap, entry: Entry, a, b, advance, w: StagedWriter, device) -> None:
+    """W + scale * (B @ A) accumulated in fp32, in row chunks, rounded once, straight into `w`'s buffers.
 
     W is read in place from the source's mapping (`torch.frombuffer`: no copy into Python buffers,
-    pages unmapped as they are done). Two output buffers alternate so that chunk i is written and
-    hashed by the writer threads while chunk i+1 is computed; `out(array)` returns the futures.
+    pages unmapped as they are done); each chunk's result is written by `addmm(out=...)` into the
+    staging buffer (`StagedWriter.space`), which is written and hashed by the writer threads while the
+    next is computed. A row that straddles two buffers goes through a small bounce buffer.
     a, b: A [r, in] and B [out, r] as the adapter stores them (embedding: A [r, vocab], B [dim, r]),
-    on `device`; with a GPU the chunk is computed there (host -> device, addmm, back into pinned memory).
+    on `device`; with a GPU the chunk is computed there (host -> device, addmm, back to the buffer).
     """
     import torch
 
@@ -108,39 +188,41 @@ def _write_merged(src: mmap.mmap, entry: Entry, a, b, advance, out, device) -> N
     # without its two casting passes (benchmarks/merge.py: ~1.4x faster; 1.5e-7 of the elements
     # differ from the fp32 path by summation order, both as close to the exactly rounded value).
     direct = a.dtype == b.dtype == w_all.dtype == out_dtype
-    step = max(1, CHUNK_BYTES // ((2 if direct else 4) * cols))
-    acc = None if direct else torch.empty(step, cols, dtype=torch.float32, device=device)
     on_gpu = device.type == "cuda"
-    out_bufs = [torch.empty(step, cols, dtype=out_dtype, pin_memory=on_gpu) for _ in range(2)]
-    res = torch.empty(step, cols, dtype=out_dtype, device=device) if on_gpu and direct else None
-    pending: list = [(), ()]
+    item = torch.empty((), dtype=out_dtype).element_size()
+    out_row = cols * item
+    max_rows = max(1, CHUNK_BYTES // ((2 if direct else 4) * cols))
+    bounce = torch.empty(1, cols, dtype=out_dtype)
     row_bytes = cols * w_all.element_size()
+    r0 = 0
     try:
-        for k, r0 in enumerate(range(0, rows, step)):
-            n = min(step, rows - r0)
-            # (B [dim, r] @ A [r, vocab]).T rows r0:r0+n = A[:, rows].T @ B.T for embeddings
+        while r0 < rows:
+            sp = w.space(min(max_rows, rows - r0) * out_row)
+            fits = len(sp) // out_row  # whole rows that fit in the staging buffer
+            target = (
+                torch.frombuffer(sp, dtype=out_dtype, count=fits * cols).view(fits, cols) if fits else bounce
+            )
+            n = max(fits, 1)
             m1, m2 = (a[:, r0 : r0 + n].T, b.T) if pair.embedding else (b[r0 : r0 + n], a)
-            for f in pending[k % 2]:
-                f.result()  # the writer and the hasher are done with this buffer
-            o = out_bufs[k % 2][:n]
-            w = w_all[r0 : r0 + n]
+            src_rows = w_all[r0 : r0 + n]
             if direct and not on_gpu:
-                torch.addmm(w, m1, m2, alpha=pair.scale, out=o)
+                torch.addmm(src_rows, m1, m2, alpha=pair.scale, out=target)
             elif direct:
-                torch.addmm(w.to(device, non_blocking=True), m1, m2, alpha=pair.scale, out=res[:n])
-                o.copy_(res[:n])
+                target.copy_(torch.addmm(src_rows.to(device), m1, m2, alpha=pair.scale))
             else:
-                x = acc[:n]
-                x.copy_(w)
+                x = src_rows.to(device=device, dtype=torch.float32)
                 x.addmm_(m1.float(), m2.float(), alpha=pair.scale)
-                o.copy_(x)
-            pending[k % 2] = out(o.view(torch.uint8).numpy())
+                target.copy_(x)
+            del target  # drops torch's export of `sp`
+            sp.release()
+            if fits:
+                w.commit(n * out_row)
+            else:  # the row straddles two staging buffers: through the bounce buffer
+                w.put(bounce.view(torch.uint8).numpy())
             _drop(src, entry.src_offset + r0 * row_bytes, entry.src_offset + (r0 + n) * row_bytes)
-            advance(o.numel() * o.element_size())
+            advance(n * out_row)
+            r0 += n
     finally:
-        for fs in pending:
-            for f in fs:
-                f.result()
         del w_all  # the mapping must not be exported when the shard closes it
 
 
@@ -149,10 +231,9 @@ def write_shard(
 ) -> tuple[list[str], str | None]:
     """Write one output shard (not yet fsynced); returns (merged tensor names, sha256 or None).
 
-    All writes to the file go through one writer thread, in order; the sha256 is computed by a
-    second thread over the same bytes, in order (merged chunks from the output buffers, copied
-    tensors from the source's mapping while the kernel copies them), so neither waits for the
-    other; the main thread computes ahead of both. `device`: torch device for the arithmetic
+    Everything goes through `StagedWriter` in file order: the header, untouched tensors read from
+    the source into the staging buffers, merged tensors computed into them. One thread writes, one
+    hashes, the main thread computes ahead of both. `device`: torch device for the arithmetic
     (default CPU).
     """
     import hashlib
@@ -162,42 +243,31 @@ def write_shard(
     device = torch.device(device or "cpu")
     h = hashlib.sha256() if hash_file else None
     merged = []
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     src_fd = os.open(plan_shard.src, os.O_RDONLY)
-    futures = []
     try:
         src = mmap.mmap(
             src_fd, 0, access=mmap.ACCESS_COPY
         )  # private + writable: torch.frombuffer; never written
         with ThreadPoolExecutor(max_workers=1) as writer, ThreadPoolExecutor(max_workers=1) as hasher:
-
-            def submit(pool, fn, *args):
-                futures.append(pool.submit(fn, *args))
-                return futures[-1]
-
-            def out(arr):
-                fs = (submit(writer, _write_all, fd, arr),)
-                return fs + ((submit(hasher, h.update, arr),) if h is not None else ())
-
-            out(_header_bytes(plan_shard.entries, plan_shard.metadata))
-            for e in plan_shard.entries:
-                if e.pair is None:
-                    submit(writer, _copy_range, src_fd, fd, e.src_offset, e.src_nbytes)
-                    if h is not None:
-                        submit(hasher, _hash_range, h, src, e.src_offset, e.src_nbytes)
-                    advance(e.src_nbytes)
-                else:
-                    a = lora[e.pair.a_key].to(device=device)
-                    b = lora[e.pair.b_key].to(device=device)
-                    _write_merged(src, e, a, b, advance, out, device)
-                    merged.append(e.name)
-                futures[:] = [f for f in futures if not f.done() or f.exception()]
-        for f in futures:
-            f.result()  # re-raise the first write error
+            w = StagedWriter(dst, h, writer, hasher)
+            try:
+                w.put(_header_bytes(plan_shard.entries, plan_shard.metadata))
+                for e in plan_shard.entries:
+                    if e.pair is None:
+                        w.copy_from(src_fd, e.src_offset, e.src_nbytes)
+                        advance(e.src_nbytes)
+                    else:
+                        a = lora[e.pair.a_key].to(device=device)
+                        b = lora[e.pair.b_key].to(device=device)
+                        _write_merged(src, e, a, b, advance, w, device)
+                        merged.append(e.name)
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
         src.close()
     finally:
         os.close(src_fd)
-        os.close(fd)
     return merged, h.hexdigest() if h else None
 
 
