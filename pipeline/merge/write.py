@@ -10,6 +10,7 @@ write and hash run on three threads.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -101,7 +102,13 @@ class StagedWriter:
         aligned = n - n % 4096 if self.direct else n
         done = 0
         while done < aligned:
-            done += os.pwrite(self.fd, view[done:aligned], off + done)
+            try:
+                done += os.pwrite(self.fd, view[done:aligned], off + done)
+            except OSError as e:  # a filesystem that takes the flag but not the write: buffered from here on
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise
+                os.close(self.fd)
+                self.fd, self.direct, aligned = os.open(self.path, os.O_WRONLY), False, n
         if done < n:  # O_DIRECT needs block-aligned lengths: the tail through a buffered descriptor
             fd = os.open(self.path, os.O_WRONLY)
             try:

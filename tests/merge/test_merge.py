@@ -392,3 +392,25 @@ def test_staging_buffers_smaller_than_a_tensor(tiny_vl_base, adapter, tmp_path, 
         x, y = ta[k].float(), tb[k].float()
         assert ((x - y).abs() <= x.abs() * 2**-7 + 1e-12).all() and (x != y).float().mean() < 1e-2, k
     assert torch.equal(ta["lm_head.weight"], tb["lm_head.weight"])
+
+
+def test_a_filesystem_that_refuses_direct_writes_falls_back(tiny_vl_base, adapter, tmp_path, monkeypatch):
+    """O_DIRECT accepted by open() but refused by write() (EINVAL): the shard is written buffered, same bytes."""
+    import errno
+    import fcntl
+    import os
+
+    vl = rekey_adapter(adapter, tmp_path / "vl", to_vl)
+    ref = merge_adapter(vl, tiny_vl_base, tmp_path / "ref")
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, off)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    out = merge_adapter(vl, tiny_vl_base, tmp_path / "out")
+    assert refused and out.manifest.files == ref.manifest.files
+    assert tensor_bytes(tmp_path / "out") == tensor_bytes(tmp_path / "ref")
