@@ -29,7 +29,15 @@ from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, LAYER_RE
 from pipeline.artifacts.hashing import DirectoryScan, scan_directory, sha256_file
 from pipeline.artifacts.manifest import MANIFEST, AdapterManifest, read_adapter_manifest
 from pipeline.artifacts.normalise import FoldResult, ParityError, fold_rslora
-from pipeline.artifacts.safetensors import HeaderError, TensorInfo, file_metadata, read_safetensors_header
+from pipeline.artifacts.peft_match import peft_targets
+from pipeline.artifacts.safetensors import (
+    DTYPE_BYTES,
+    HeaderError,
+    TensorInfo,
+    file_metadata,
+    raw_header,
+    read_safetensors_header,
+)
 from pipeline.errors import PipelineError
 from pipeline.serving.vllm import ALLOWED_DTYPES, QWEN35_MODULES
 from pipeline.validate import behaviour as behaviour_eval
@@ -408,6 +416,30 @@ class Context(CheckpointFacts, TemplateFacts):
                 sq = float(((b.T @ b) * (a @ a.T)).sum())
             out[m.peft_module] = abs(self.scale(m)) * math.sqrt(max(sq, 0.0))
         return out
+
+    @cached_property
+    def expected_weights(self) -> tuple[int | None, int]:
+        """(bytes the weights file should hold, LoRA parameters) from r (+rank_pattern), PEFT's matching of
+        target_modules and the base's shapes, in the file's dominant dtype; (None, 0) when `r` says nothing."""
+        cfg, base, header = self.typed_cfg, self.base, self.header
+        if not cfg.r or cfg.r < 1:  # config.rank reports it; no size follows from it
+            return None, 0
+        dtypes = [t.dtype for t in header.values()]
+        per = DTYPE_BYTES.get(max(set(dtypes), key=dtypes.count), 2) if dtypes else 2
+        layouts = {m.layout for m in self.modules if m.layout}
+        prefix = "model.language_model." if layouts == {"vl"} else "model."
+        params = 0
+        for i in range(base.num_layers):
+            for sub in self.base_layer_modules[i] & self.allowed_modules(i):
+                name = f"{prefix}layers.{i}.{sub}"
+                if peft_targets(cfg.raw, name) and (shape := base.linear_shape(f"layers.{i}.{sub}")):
+                    params += cfg.rank_for(name) * (shape[0] + shape[1])
+        return params * per + raw_header(self.wfile)[0], params
+
+    @property
+    def expected_weights_bytes(self) -> int | None:
+        expected, params = self.expected_weights
+        return expected if params else None
 
     @cached_property
     def serving_dtype(self) -> str:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import statistics
 
-from pipeline.artifacts.peft_match import peft_targets
-from pipeline.artifacts.safetensors import DTYPE_BYTES, raw_header
 from pipeline.validate.context import EFFECT_EPS
 from pipeline.validate.facts import AdapterFacts, Unavailable
 from pipeline.validate.keys import ranges
@@ -19,6 +17,9 @@ from pipeline.validate.rules import Issue, check
 
 NORM_OUTLIER = 10.0  # x the median update norm of the same module type
 SIZE_BAND = (0.5, 2.0)  # weights file / expected bytes
+# What an adapter's other files (config, tokenizer, template, manifest, model card) may add to its weights in
+# all: a Qwen3.6 tokenizer.json is ~12 MB, its tokenizer_config.json with the chat template ~20 KB.
+OTHER_FILES_BYTES = 256 << 20
 NO_EFFECT = 1e-12  # an update norm below this is zero
 # Relative to the base weight (||scale·B·A||_F / ||W||_F), in units of the serving dtype's machine epsilon
 # (docs/validation.md "No effect"): below ERROR_BAND x eps almost no output element changes by one ulp,
@@ -173,20 +174,9 @@ def norm_outlier(ctx: AdapterFacts):
     "file size outside 0.5-2x of the bytes implied by r (+rank_pattern), target_modules and base shapes",
 )
 def size_band(ctx: AdapterFacts):
-    cfg, base, header = ctx.typed_cfg, ctx.base, ctx.header
-    if not cfg.r or cfg.r < 1:  # config.rank reports it; no size follows from it
+    expected, params = ctx.expected_weights
+    if expected is None:
         return
-    dtypes = [t.dtype for t in header.values()]
-    per = DTYPE_BYTES.get(max(set(dtypes), key=dtypes.count), 2) if dtypes else 2
-    layouts = {m.layout for m in ctx.modules if m.layout}
-    prefix = "model.language_model." if layouts == {"vl"} else "model."
-    params = 0
-    for i in range(base.num_layers):
-        for sub in ctx.base_layer_modules[i] & ctx.allowed_modules(i):
-            name = f"{prefix}layers.{i}.{sub}"
-            if peft_targets(cfg.raw, name) and (shape := base.linear_shape(f"layers.{i}.{sub}")):
-                params += cfg.rank_for(name) * (shape[0] + shape[1])
-    expected = params * per + raw_header(ctx.wfile)[0]
     actual = ctx.wfile.stat().st_size
     ctx.stats["expected_weights_bytes"] = expected
     if params == 0:

@@ -6,10 +6,11 @@ loaded (they can run code).
 
 from __future__ import annotations
 
-from pipeline.artifacts.adapter import WEIGHTS_FILE
+from pipeline.artifacts.adapter import PICKLE_WEIGHTS, WEIGHTS_FILE
 from pipeline.serving.vllm import ALLOWED_DTYPES
 from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, check, grouped
+from pipeline.validate.values import OTHER_FILES_BYTES, SIZE_BAND
 
 
 @check("adapter.missing", "error", "the adapter directory does not exist")
@@ -35,6 +36,65 @@ def unsafe_file(ctx: AdapterFacts):
             f"{what} in the adapter directory: only regular files are read, copied or registered (a symlink can expose "
             "files from outside the directory); replace it with the file it points to, or remove it",
             str(p),
+        )
+
+
+# Files that hold model weights (safetensors, torch pickles, GGUF, NumPy, Keras/Flax, ONNX): an adapter
+# directory holds one, `adapter_model.safetensors` (the pickle forms have their own checks, weights.pickle).
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".gguf",
+    ".npz",
+    ".npy",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+)
+
+
+@check(
+    "adapter.extra_weights",
+    "error",
+    "the adapter directory carries weight files besides `adapter_model.safetensors` (a base model's "
+    "`model.safetensors`, shards, MLflow's `persist_pretrained_model` layout...), listed in the manifest or not",
+)
+def extra_weights(ctx: AdapterFacts):
+    own = {ctx.adapter_dir / WEIGHTS_FILE} | {ctx.adapter_dir / p for p in PICKLE_WEIGHTS}
+    extra = [p for p in ctx.scan.files if p.name.endswith(WEIGHT_SUFFIXES) and p not in own]
+    for p in extra:
+        rel = p.relative_to(ctx.adapter_dir)
+        yield Issue(
+            f"{rel} ({p.stat().st_size:,} bytes) is a weights file, and an adapter directory carries one: "
+            f"{WEIGHTS_FILE}. Register and publish would copy it to the registry and every instance's volume "
+            "(a base model's weights are tens of GB); move it out of the adapter directory",
+            str(p),
+        )
+
+
+@check(
+    "adapter.size",
+    "error",
+    "the adapter directory is larger than its weights (bounded by r, the modules and the base's shapes: "
+    "`values.size_band`) plus what its other files may hold",
+)
+def artifact_size(ctx: AdapterFacts):
+    expected = ctx.expected_weights_bytes
+    if not expected:
+        return
+    total = sum(p.stat().st_size for p in ctx.scan.files)
+    bound = int(expected * SIZE_BAND[1]) + OTHER_FILES_BYTES
+    if total > bound:
+        biggest = sorted(ctx.scan.files, key=lambda p: p.stat().st_size, reverse=True)[:3]
+        yield Issue(
+            f"the adapter directory holds {total:,} bytes; r, target_modules and the base's shapes imply {expected:,} "
+            f"bytes of weights, so at most {bound:,} in all ({SIZE_BAND[1]:g}x the weights + {OTHER_FILES_BYTES >> 20} "
+            f"MiB of config, tokenizer and manifest): largest files {[str(p.relative_to(ctx.adapter_dir)) for p in biggest]}; "
+            "remove what is not the adapter",
+            str(ctx.adapter_dir),
         )
 
 

@@ -163,6 +163,30 @@ def _symlink_dir(d, env):
     os.symlink(env.tiny_base, d / "base-link")
 
 
+def _base_weights_listed(d, env):
+    """A base model's model.safetensors inside the adapter directory, listed in the manifest (issue 25.7)."""
+    from pipeline.artifacts.manifest import file_hashes
+
+    src = next(env.tiny_base.glob("*.safetensors"))
+    shutil.copy2(src, d / "model.safetensors")
+    (d / "manifest.json").write_text(json.dumps({"files": file_hashes(d)}))
+
+
+def _mlflow_layout(d, env):
+    """MLflow's persist_pretrained_model layout: the pretrained weights in a subdirectory (mlflow#23761)."""
+    (d / "pretrained_model").mkdir()
+    src = next(env.tiny_base.glob("*.safetensors"))
+    shutil.copy2(src, d / "pretrained_model" / "model-00001-of-00001.safetensors")
+
+
+def _sparse(name: str, size: int):
+    def fn(d, env):
+        with open(d / name, "wb") as f:
+            f.truncate(size)  # sparse: nothing is written
+
+    return fn
+
+
 def _weights_dir(d, env):
     (d / W).unlink()
     (d / W).mkdir()
@@ -346,6 +370,40 @@ CASES = [
     ("adapter.unsafe_file", "error", ("dir", _symlink_dir), {}, ["symlink", "base-link"], {}),
     ("adapter.unsafe_file", "error", ("dir", _fifo_manifest), {}, ["FIFO", "manifest.json"], {}),
     ("weights.not_file", "error", ("dir", _weights_dir), {}, ["a directory", W], {}),
+    # issue 25.7: an adapter directory that carries more than an adapter; siblings: MLflow's pretrained-model
+    # layout in a subdirectory, a pickled full model, a directory far larger than r and the modules imply
+    (
+        "adapter.extra_weights",
+        "error",
+        ("dir", _base_weights_listed),
+        {},
+        ["model.safetensors", "weights file"],
+        {},
+    ),
+    (
+        "adapter.extra_weights",
+        "error",
+        ("dir", _mlflow_layout),
+        {},
+        ["pretrained_model/model-00001-of-00001"],
+        {},
+    ),
+    (
+        "adapter.extra_weights",
+        "error",
+        ("dir", _sparse("consolidated.00.pth", 1 << 20)),
+        {},
+        ["consolidated.00.pth"],
+        {},
+    ),
+    (
+        "adapter.size",
+        "error",
+        ("dir", _sparse("notes.txt", 300 << 20)),
+        {},
+        ["notes.txt", "r, target_modules"],
+        {},
+    ),
     ("weights.not_file", "error", ("dir", _weights_symlink), {}, ["symlink", W], {}),
     ("config.missing", "error", ("dir", _config_dir), {}, ["not a regular file"], {}),
     # -- typed config (issue 15.1, 16.3) --
