@@ -67,7 +67,7 @@ def test_the_registry_keeps_them_current(registry_project, two_adapters, tiny_ba
         f"production: v1, published to {pub.path}\ncandidate: v2, gated: eval_loss 9.0"
     )
     assert c.get_model_version(name, "2").description.startswith("GATED, stays candidate: eval_loss 9.0")
-    publish(cfg, name, version=2)  # promoted by hand after all
+    publish(cfg, name, version=2, force=True)  # promoted by hand after all (a gated one needs --force)
     rm = c.get_registered_model(name)
     assert rm.tags["production"] == "v2" and "candidate" not in rm.tags
     assert "previous: v1" in rm.description
