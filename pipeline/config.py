@@ -24,15 +24,18 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from pipeline.artifacts.bounded import MIB, BoundsError, load_yaml_file
 from pipeline.errors import ConfigError
+from pipeline.redact import redact_uri
 from pipeline.serving.vllm import LORA_RANKS
 
 CONFIG_ENV = "PIPELINE_CONFIG"
 DEFAULT_CONFIG_NAME = "pipeline.yaml"
 DEFAULT_STATE_DIR = ".state"
 EMBEDDED_DB = "mlflow.db"
+MAX_CONFIG_BYTES = 1 * MIB
 
 
 class _Section(BaseModel):
@@ -195,12 +198,21 @@ class RegistrySection(_Section):
     )
 
 
+def _not_empty(v):
+    """An empty path setting (`PIPELINE_STATE_DIR=`) would silently be the working directory."""
+    if isinstance(v, str) and not v.strip():
+        raise ValueError("is empty: give a directory")
+    return v
+
+
 class VolumeSection(_Section):
     path: Path = Field(Path("adapters/volume"), description="where the pipeline writes the adapter volume")
+    _path_not_empty = field_validator("path", mode="before")(_not_empty)
 
 
 class TrainSection(_Section):
     runs_dir: Path = Path("adapters/runs")
+    _runs_not_empty = field_validator("runs_dir", mode="before")(_not_empty)
     peak_tflops: float | None = Field(
         None, gt=0, description="per-GPU bf16 peak for MFU; default by GPU name"
     )
@@ -304,6 +316,7 @@ class ProjectConfig(BaseSettings):
     found: bool = Field(
         True, exclude=True, description="a pipeline.yaml or an existing state dir located the project"
     )
+    _state_not_empty = field_validator("state_dir", mode="before")(_not_empty)
 
     @classmethod
     def settings_customise_sources(
@@ -337,14 +350,12 @@ class ProjectConfig(BaseSettings):
 
     def where(self) -> str:
         """One line naming the project and store in use, for messages (credentials redacted)."""
-        import re
-
         origin = (
             f"config {self.source}"
             if self.source
             else (f"project {self.root}" if self.found else f"no project found from {self.root}")
         )
-        return f"{origin}; registry {re.sub(r'://[^/@]+@', '://***@', self.tracking_uri)}"
+        return f"{origin}; registry {redact_uri(self.tracking_uri)}"
 
     @property
     def artifact_root(self) -> Path:
@@ -396,6 +407,109 @@ def find_config(explicit: Path | None = None) -> Path | None:
     return find_project()[0]
 
 
+# -- settings from the environment: the same clear errors as settings from the file ------------------
+ENV_PREFIX = "PIPELINE_"
+# MLflow settings the pipeline's commands depend on (pipeline.registry.store); MLflow parses them
+# with int() deep inside a request, so a bad one is refused here, naming the variable.
+MLFLOW_INT_ENV = (
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+)
+
+
+def _pipeline_env() -> dict[str, str]:
+    """{VARIABLE (upper-case): name as set} of the PIPELINE_* variables (pydantic-settings ignores case)."""
+    return {k.upper(): k for k in os.environ if k.upper().startswith(ENV_PREFIX)}
+
+
+def _env_var_for(loc: tuple) -> str | None:
+    """The variable a validation error's location came from, if it came from the environment."""
+    env = _pipeline_env()
+    for n in range(len(loc), 0, -1):  # the most specific variable set: PIPELINE_FLEET__X, then PIPELINE_FLEET
+        name = ENV_PREFIX + "__".join(str(x) for x in loc[:n]).upper()
+        if name in env:
+            return env[name]
+    return None
+
+
+def _env_json_error(e: Exception) -> str:
+    """Which PIPELINE_* variable holds a section (or list) that is not JSON, and how to write it."""
+    import json
+
+    complex_fields = {
+        name
+        for name, f in ProjectConfig.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    }
+    env = _pipeline_env()
+    for upper, var in sorted(env.items()):
+        parts = upper[len(ENV_PREFIX) :].lower().split("__")
+        if parts[0] not in complex_fields:
+            continue
+        value = os.environ[var]
+        if len(parts) == 1 or value.lstrip()[:1] in ("[", "{"):
+            try:
+                json.loads(value)
+            except ValueError as je:
+                section = parts[0]
+                return (
+                    f"${var}: not valid JSON ({je}); a section or a list set from the environment is JSON, e.g. "
+                    f"{ENV_PREFIX}{section.upper()}='{{\"...\": ...}}', or set one field: "
+                    f"{ENV_PREFIX}{section.upper()}__<FIELD>=value"
+                )
+    return f"environment: {e}"
+
+
+def _check_env_names() -> None:
+    """`PIPELINE_VOLUME_PATH` (one underscore) is ignored by the settings reader: say so, don't lose it."""
+    sections = {
+        name: f.annotation
+        for name, f in ProjectConfig.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    }
+    for upper, var in sorted(_pipeline_env().items()):
+        rest = upper[len(ENV_PREFIX) :].lower()
+        for section, model in sections.items():
+            field = rest.removeprefix(section + "_")
+            if rest.startswith(section + "_") and not field.startswith("_") and field in model.model_fields:
+                raise ConfigError(
+                    f"${var} is not read: a field of a section is set with two underscores, "
+                    f"{ENV_PREFIX}{section.upper()}__{field.upper()}"
+                )
+    for var in MLFLOW_INT_ENV:
+        v = os.environ.get(var)
+        if v is not None and not v.strip().isdigit():
+            raise ConfigError(f"${var}={v!r}: MLflow reads it as a whole number (>= 0); fix or unset it")
+
+
+def _check_uris(cfg: ProjectConfig, path: Path | None) -> None:
+    """A tracking or registry URI that cannot be parsed (a bad port, an unclosed `[`) is a config error."""
+    from urllib.parse import urlsplit
+
+    for where, uri in (
+        (
+            "$MLFLOW_TRACKING_URI"
+            if os.environ.get("MLFLOW_TRACKING_URI")
+            else f"{path}: registry.tracking_uri",
+            cfg.tracking_uri,
+        ),
+        (
+            _env_var_for(("registry", "registry_uri")) or f"{path}: registry.registry_uri",
+            cfg.registry.registry_uri,
+        ),
+    ):
+        if not uri:
+            continue
+        try:
+            parts = urlsplit(uri)
+            parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+        except ValueError as e:
+            raise ConfigError(f"{where}: {redact_uri(uri)!r} is not a URI ({e})") from None
+        if any(c.isspace() for c in uri):
+            raise ConfigError(f"{where}: {redact_uri(uri)!r} holds white space")
+
+
 def load_config(path: Path | None = None) -> ProjectConfig:
     """Read and validate the project config.
 
@@ -414,7 +528,9 @@ def load_config(path: Path | None = None) -> ProjectConfig:
         if not path.exists():
             raise ConfigError(f"{path}: config file not found (set {CONFIG_ENV} or pass --config)")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = load_yaml_file(path, MAX_CONFIG_BYTES) or {}
+        except BoundsError as e:
+            raise ConfigError(f"{e}: not a project config") from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from e
         except OSError as e:
@@ -423,18 +539,21 @@ def load_config(path: Path | None = None) -> ProjectConfig:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    _check_env_names()
     try:
         cfg = ProjectConfig(**data)
+    except SettingsError as e:  # a section given as JSON in the environment that is not JSON
+        raise ConfigError(_env_json_error(e)) from e
     except ValidationError as e:
         where = path or "environment"
         lines = [f"{where}: invalid config:"]
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
             # a value from the environment is named by its variable, not by the file it overrides
-            var = "PIPELINE_" + "__".join(str(x) for x in err["loc"][:2]).upper()
-            src = f" (from ${var})" if len(err["loc"]) >= 2 and var in os.environ else ""
-            lines.append(f"  {loc}{src}: {err['msg']}")
+            var = _env_var_for(err["loc"])
+            lines.append(f"  {loc}{f' (from ${var})' if var else ''}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from e
+    _check_uris(cfg, path)
     cfg.source = path.resolve() if path else None
     cfg.root = path.resolve().parent if path else (root or Path.cwd().resolve())
     cfg.found = found

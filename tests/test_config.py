@@ -141,3 +141,37 @@ def test_canary_quantized_reads_both_spellings(tmp_path, monkeypatch, key):
     assert load_config(p).canary.quantized is True
     monkeypatch.setenv(f"PIPELINE_CANARY__{key.upper()}", "false")
     assert load_config(p).canary.quantized is False
+
+
+@pytest.mark.parametrize(
+    "var,value,says",
+    [
+        # issue 30: a malformed JSON override crashed every command with a traceback
+        ("PIPELINE_FLEET", "{", r"\$PIPELINE_FLEET: not valid JSON"),
+        # siblings: a list field, a lower-case name (read too), a section that is no object
+        ("PIPELINE_FLEET__INSTANCES", "[{", r"\$PIPELINE_FLEET__INSTANCES: not valid JSON"),
+        ("pipeline_registry", "{x", r"\$pipeline_registry: not valid JSON"),
+        ("PIPELINE_FLEET", "[]", r"fleet \(from \$PIPELINE_FLEET\): Input should be a valid dictionary"),
+        ("PIPELINE_STATE_DIR", "", r"state_dir \(from \$PIPELINE_STATE_DIR\): .*is empty"),
+        ("PIPELINE_VOLUME_PATH", "/x", r"\$PIPELINE_VOLUME_PATH is not read: .*PIPELINE_VOLUME__PATH"),
+        ("MLFLOW_TRACKING_URI", "http://[::1", r"\$MLFLOW_TRACKING_URI: 'http://\[::1' is not a URI"),
+        ("MLFLOW_TRACKING_URI", "postgresql://u:pw@h:nan/db", r"'postgresql://\*\*\*@h:nan/db' is not a URI"),
+        ("MLFLOW_HTTP_REQUEST_TIMEOUT", "abc", r"\$MLFLOW_HTTP_REQUEST_TIMEOUT='abc': .*whole number"),
+    ],
+)
+def test_every_environment_setting_gets_a_clear_error_naming_it(tmp_path, monkeypatch, var, value, says):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text("fleet: {max_lora_rank: 32}\n")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=says):
+        load_config(p)
+
+
+def test_environment_errors_reach_the_cli_without_a_traceback(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["config", "show"], env={"PIPELINE_FLEET": "{"})
+    assert r.exit_code == 2 and "Traceback" not in r.output and "$PIPELINE_FLEET" in r.output

@@ -28,6 +28,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from pipeline.artifacts.adapter_files import ADAPTER_FILES
+from pipeline.artifacts.bounded import BoundsError, load_json_file
 from pipeline.artifacts.checkpoint import TEXT_PREFIXES
 from pipeline.artifacts.peft_match import peft_targets
 from pipeline.artifacts.safetensors import TensorInfo, read_safetensors_header
@@ -39,7 +41,7 @@ PICKLE_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", 
 
 # A tensor that names a LoRA factor, in any form (accepted or not): module, factor kind, the rest.
 LORA_LIKE_RE = re.compile(
-    r"^(?P<module>.+?)\.(?P<kind>lora_embedding_A|lora_embedding_B|lora_A|lora_B)(?P<rest>(?:\.[^.]+)*)$"
+    r"(?P<module>.+?)\.(?P<kind>lora_embedding_A|lora_embedding_B|lora_A|lora_B)(?P<rest>(?:\.[^.]+)*)\Z"
 )
 # The rest vLLM accepts per factor kind (vllm/lora/utils.py parse_fine_tuned_lora_name).
 ACCEPTED_REST = {"lora_A": ".weight", "lora_B": ".weight", "lora_embedding_A": "", "lora_embedding_B": ""}
@@ -345,7 +347,9 @@ def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
             "(PEFT save_pretrained writes it)"
         )
     try:
-        raw = json.loads(p.read_text())
+        raw = load_json_file(p, ADAPTER_FILES[CONFIG_FILE])
+    except BoundsError as e:
+        raise AdapterConfigError(str(e)) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         line = getattr(e, "lineno", None)
         raise AdapterConfigError(f"{p}:{line or 1}: not valid JSON ({getattr(e, 'msg', e)})") from e

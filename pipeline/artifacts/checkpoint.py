@@ -18,9 +18,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.artifacts.bounded import MIB, BoundsError, load_json_file
 from pipeline.artifacts.safetensors import TensorInfo, read_safetensors_header
 
 # Text-model prefixes, longest first. Order matters: VL before text.
+MAX_CONFIG_BYTES = 64 * MIB  # config.json, the safetensors index (a 27B model: ~100 KB)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 QUANT_SUFFIXES = (".weight_scale_2", ".weight_scale", ".input_scale", ".weight_packed", ".weight")
 
@@ -46,7 +48,7 @@ def canonical_module(tensor_name: str) -> tuple[str, str] | None:
     return stem, suffix
 
 
-LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\Z")
 
 
 @dataclass
@@ -106,9 +108,13 @@ class Checkpoint:
 
 def _load_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return load_json_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise
+    except BoundsError:
+        raise
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
 

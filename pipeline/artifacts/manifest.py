@@ -38,8 +38,10 @@ from pydantic import (
 from pipeline.artifacts import hashing
 from pipeline.artifacts.adapter import WEIGHTS_FILE
 from pipeline.artifacts.atomic import write_json_atomic
+from pipeline.artifacts.bounded import MIB, BoundsError, load_json_file
 
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * MIB
 SCHEMA = 1
 
 
@@ -380,12 +382,15 @@ def parse_manifest(data: Any, where: str = MANIFEST) -> AdapterManifest | Merged
 def read_manifest(directory: Path) -> AdapterManifest | MergedManifest:
     """Load `<directory>/manifest.json` as its kind (`AdapterManifest` or `MergedManifest`).
 
-    Raises FileNotFoundError (absent) or ValueError (not UTF-8 JSON, not an object, a field of the
-    wrong type, an unknown kind), naming the file.
+    Raises FileNotFoundError (absent) or ValueError (not UTF-8 JSON, over the size or depth bounds
+    of `pipeline.artifacts.bounded`, not an object, a field of the wrong type, an unknown kind),
+    naming the file.
     """
     p = Path(directory) / MANIFEST
     try:
-        data = json.loads(p.read_text())
+        data = load_json_file(p, MAX_MANIFEST_BYTES)
+    except BoundsError:
+        raise  # a ValueError naming the file and the bound
     except UnicodeDecodeError as e:
         raise ValueError(f"{p}: not a text file (byte {e.start} is not UTF-8)") from e
     except IsADirectoryError as e:

@@ -29,8 +29,9 @@ import re
 from pipeline.errors import UsageError
 
 MAX_LEN = 63
-NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?$")
-VERSION_SUFFIX_RE = re.compile(r"-v\d+$")
+# `\Z`, not `$`: `$` also matches before a trailing newline, and `abc\n` would become the directory `abc\n-v1`
+NAME_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")
+VERSION_SUFFIX_RE = re.compile(r"-v\d+\Z")
 GRAMMAR = (
     f"lower-case letters, digits and '-'; starting and ending with a letter or digit; "
     f"at most {MAX_LEN} characters; not ending in '-v<digits>' (that is how version N is named)"

@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.artifacts.bounded import BoundsError, check_json_text
 from pipeline.errors import UsageError
 
 # safetensors dtype names -> bits per element (safetensors/src/tensor.rs `Dtype::bitsize`).
@@ -92,7 +93,10 @@ def _parse(path: Path, raw: bytes) -> dict:
             f"{path}: header is not JSON (does not start with '{{'): corrupt or not safetensors"
         )
     try:
+        check_json_text(raw, f"{path}: header", MAX_HEADER)  # depth before the recursive parser
         header = json.loads(raw.decode("utf-8"))
+    except BoundsError as e:
+        raise HeaderError(f"{e}: corrupt or not safetensors") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HeaderError(f"{path}: header is not JSON ({e}): corrupt or not safetensors") from e
     if not isinstance(header, dict):

@@ -23,7 +23,7 @@ import contextlib
 import errno
 import os
 import re
-import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,14 +32,14 @@ from pathlib import Path
 
 from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree
 from pipeline.artifacts.locks import try_lock
-from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest, verify_files
+from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest, read_manifest, verify_files
 from pipeline.artifacts.names import name_problem
 from pipeline.errors import VolumeError
 
 STAGING = ".staging"
 LOCKS = ".locks"
 TXN = ".txn"
-VERSION_RE = re.compile(r"^(?P<name>.+)-v(?P<version>\d+)$")
+VERSION_RE = re.compile(r"(?P<name>.+)-v(?P<version>\d+)\Z")  # \Z: `$` also matches before a final newline
 SPACE_MARGIN = 1 << 20  # bytes kept free beyond what a copy needs (manifest, directory entries)
 
 
@@ -75,7 +75,7 @@ def staging_owner(entry: str) -> str | None:
     """The adapter a `.staging/` entry belongs to: `NAME` (current layout) or `NAME-vN.<random>` (older)."""
     if name_problem(entry) is None:
         return entry
-    m = re.match(r"^(?P<name>.+)-v\d+\.[^/]+$", entry)
+    m = re.match(r"(?P<name>.+)-v\d+\.[^/]+\Z", entry)
     return m["name"] if m and name_problem(m["name"]) is None else None
 
 
@@ -94,6 +94,96 @@ def os_failure(e: OSError, doing: str, path: Path | str) -> VolumeError:
     }.get(e.errno, "")
     what = e.strerror or str(e)
     return VolumeError(f"{doing}: {path}: {what}" + (f" ({hint})" if hint else ""))
+
+
+# -- the volume's own entries are real ones ---------------------------------------------------------
+def _device(volume: Path) -> int:
+    try:
+        return os.stat(volume).st_dev  # the volume root itself may be reached through a link
+    except OSError as e:
+        raise os_failure(e, "cannot read the volume", volume) from e
+
+
+def real_dir(path: Path, volume: Path, create: bool = False) -> bool:
+    """Whether `path` is a real directory of the volume; absent: False (created, mode 0755, when `create`).
+
+    Everything the pipeline itself reads or deletes under the volume (`.staging`, `.txn`, `.locks`,
+    version directories) must be a directory of the volume, not a link to one elsewhere (a deletion
+    or a copy would follow it out of the volume) and not on another filesystem. Raises VolumeError
+    saying what it is and how to fix it.
+    """
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            return False
+        try:
+            path.mkdir(mode=0o755, parents=True, exist_ok=True)
+            st = os.lstat(path)
+        except OSError as e:
+            raise os_failure(e, "cannot create the directory", path) from e
+    except OSError as e:
+        raise os_failure(e, "cannot read", path) from e
+    what = _not_real(st, volume, directory=True)
+    if what:
+        raise VolumeError(
+            f"{path}: {what}; the pipeline only uses real directories of the volume {volume} there "
+            "(a link would lead reads and deletions out of it): remove it (`rm`, not `rm -r`)"
+        )
+    return True
+
+
+def real_file(path: Path, volume: Path) -> bool:
+    """Whether `path` is a real file of the volume (regular, one name, the volume's filesystem); absent: False.
+
+    For the volume's records the pipeline reads (`fleet-state.json`, `.txn/<NAME>.json`). Raises
+    VolumeError saying what it is instead.
+    """
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise os_failure(e, "cannot read", path) from e
+    what = _not_real(st, volume, directory=False)
+    if what:
+        raise VolumeError(
+            f"{path}: {what}; the pipeline reads only its own records there: move it away and run the "
+            "command again (publish and rollback write a new one)"
+        )
+    return True
+
+
+def _not_real(st: os.stat_result, volume: Path, directory: bool) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+    if not directory and st.st_nlink > 1:
+        return f"a file with {st.st_nlink} names (a hard link to a file elsewhere)"
+    if st.st_dev != _device(volume):
+        return "on another filesystem than the volume (a mount point)"
+    return None
+
+
+def version_dirs(volume: Path, name: str | None = None) -> dict[str, list[int]]:
+    """{NAME: [versions, newest first]} of the real `NAME-vN` directories on the volume (links are no versions)."""
+    out: dict[str, list[int]] = {}
+    try:
+        entries = list(os.scandir(volume))
+    except FileNotFoundError:
+        return out
+    except OSError as e:
+        raise os_failure(e, "cannot list", volume) from e
+    for e in entries:
+        parsed = parse_version_name(e.name)
+        if parsed and (name is None or parsed[0] == name) and e.is_dir(follow_symlinks=False):
+            out.setdefault(parsed[0], []).append(parsed[1])
+    return {n: sorted(v, reverse=True) for n, v in out.items()}
 
 
 def check_writable(directory: Path) -> None:
@@ -140,21 +230,6 @@ def tree_size(directory: Path) -> tuple[int, int]:
     return total, n
 
 
-def copy_tree(src: Path, dst: Path) -> None:
-    """Copy the regular files and directories of `src` to the new directory `dst` (symlinks are not followed).
-
-    Raises VolumeError (with the fix) on any filesystem error; `dst` is removed again then.
-    """
-    try:
-        shutil.copytree(src, dst, symlinks=True, ignore_dangling_symlinks=True)
-    except (OSError, shutil.Error) as e:
-        rmtree(dst)
-        if isinstance(e, shutil.Error):  # copytree collects per-file errors: report the first
-            first = e.args[0][0] if e.args and e.args[0] else ("?", "?", str(e))
-            raise VolumeError(f"cannot copy {first[0]} to {first[1]}: {first[2]}") from e
-        raise os_failure(e, "cannot copy", dst) from e
-
-
 # -- the staging lifecycle: how a version directory comes to exist ------------------------------------
 STALE_UNKNOWN_S = 3600  # `.staging/` entries that name no adapter: removed when this old
 
@@ -168,9 +243,11 @@ def clear_debris(root: Path, volume: Path) -> list[Path]:
     hour old. Returns the removed paths. Raises VolumeError when an entry cannot be removed.
     """
     removed: list[Path] = []
-    if not Path(root).is_dir():
+    root = Path(root)
+    if not real_dir(root, root.parent):
         return removed
-    for entry in sorted(Path(root).iterdir()):
+    real_dir(Path(volume) / LOCKS, volume)  # the locks asked below are the volume's own
+    for entry in sorted(root.iterdir()):
         owner = staging_owner(entry.name)
         try:
             if owner is None:
@@ -231,10 +308,8 @@ def staged_version(
     volume = Path(volume)
     target = version_dir(volume, name, version)
     stage_root = staging_dir(volume, name)
-    try:
-        stage_root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_failure(e, "cannot create the staging directory", stage_root) from e
+    real_dir(volume / STAGING, volume, create=True)
+    real_dir(stage_root, volume, create=True)
     try:
         check_free_space(stage_root, need_bytes, files)
         work = Path(tempfile.mkdtemp(prefix=f"v{version}.", dir=stage_root))
@@ -266,6 +341,37 @@ def staged_version(
         _rmdir_if_empty(stage_root, volume / STAGING)
 
 
+def remove_version(
+    volume: Path, name: str, version: int, tag: str, checkpoint: Callable[[str], None] = lambda point: None
+) -> Path | None:
+    """Delete `<volume>/<NAME>-v<N>`: renamed into `.staging/<NAME>/` first (one atomic step, so the
+    version directory is whole or gone however the process ends), then removed there. Call holding
+    NAME's lock. `tag` names the staging entry (a transaction id); `checkpoint("prune-moved")` runs
+    between the two steps. Returns the directory, or None when it was not there (or is a link: no
+    version directory, left alone). Raises VolumeError.
+    """
+    volume = Path(volume)
+    d = version_dir(volume, name, version)
+    if d.is_symlink() or not real_dir(d, volume):
+        return None
+    trash_root = staging_dir(volume, name)
+    real_dir(volume / STAGING, volume, create=True)
+    real_dir(trash_root, volume, create=True)
+    trash = trash_root / f"pruned-v{version}.{tag[:12]}"
+    try:
+        os.chmod(d, 0o755)  # a sealed directory (0555) cannot move to another parent
+        os.rename(d, trash)
+        fsync_dir(volume)
+    except OSError as e:
+        raise os_failure(e, "cannot delete", d) from e
+    checkpoint("prune-moved")
+    rmtree(trash)
+    if os.path.lexists(trash):
+        raise os_failure(PermissionError(13, "some files could not be removed"), "cannot delete", trash)
+    _rmdir_if_empty(trash_root, volume / STAGING)
+    return d
+
+
 # -- integrity: a version directory against its manifest ----------------------------------------------
 _verified: dict[str, tuple] = {}
 
@@ -290,6 +396,8 @@ def verify_version_dir(directory: Path, cache: bool = True) -> list[str]:
     --watch` pass stays cheap); a first check always hashes every byte.
     """
     directory = Path(directory)
+    if directory.is_symlink():
+        return [f"{directory}: a symbolic link, not a version directory of the volume (move it away)"]
     if not directory.is_dir():
         return [f"{directory}: missing"]
     key = str(directory.resolve())
@@ -311,6 +419,22 @@ def verify_version_dir(directory: Path, cache: bool = True) -> list[str]:
     elif not problems:
         _verified.pop(key, None)
     return problems
+
+
+def incomplete(directory: Path) -> str | None:
+    """Why a version directory is not whole, without hashing (its manifest is unreadable, or a file it
+    lists is missing), or None. Cheap enough for every version on the volume; `verify_version_dir`
+    hashes."""
+    try:
+        files = read_manifest(directory).files
+    except FileNotFoundError:
+        return f"{directory}/{MANIFEST}: missing (not written by the pipeline, or a partial copy or deletion)"
+    except (OSError, ValueError) as e:
+        return f"{directory}/{MANIFEST}: {e}"
+    for rel in sorted(files):
+        if not (Path(directory) / rel).is_file():
+            return f"{directory}/{rel}: missing (a partial copy or deletion)"
+    return None
 
 
 def verify_version(volume: Path, name: str, version: int, cache: bool = True) -> list[str]:

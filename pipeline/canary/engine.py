@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 import tempfile
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from pipeline import registry
 from pipeline.artifacts.adapter import WEIGHTS_FILE, adapter_tensors, parse_key
+from pipeline.artifacts.bounded import MIB, load_json_file
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.canary import prom
 from pipeline.canary.effect import measure
@@ -158,8 +158,8 @@ def _quantized(cfg: ProjectConfig, engine_root: str | None) -> bool:
         if (Path(d) / "hf_quant_config.json").exists():
             return True
         try:
-            return "quantization_config" in json.loads((Path(d) / "config.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            return "quantization_config" in load_json_file(Path(d) / "config.json", 64 * MIB)
+        except (OSError, ValueError):  # unreadable, not JSON, over the bounds
             continue
     return False
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.artifacts.bounded import MIB, loads_json
 from pipeline.errors import UsageError
 from pipeline.validate.behaviour import CANARIES
 
@@ -100,9 +100,9 @@ def canary_set(tok, validation_files: list[Path], n: int) -> tuple[list[Prompt],
             if not line.strip():
                 continue
             try:
-                conv = json.loads(line)
+                conv = loads_json(line, f"{f}:{i}", 16 * MIB)
                 msgs = conv["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError) as e:  # not JSON, over the bounds, no messages
                 raise UsageError(f"{f}:{i}: not a chat JSONL line with 'messages' ({e})") from e
             cut = next((j for j, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
             if cut:

@@ -24,7 +24,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifacts.adapter import CONFIG_FILE, adapter_tensors, load_adapter_config, parse_key
+from pipeline.artifacts.adapter import (
+    CONFIG_FILE,
+    adapter_tensors,
+    load_adapter_config,
+    parse_key,
+    read_adapter_config,
+)
 from pipeline.artifacts.peft_model import load_peft
 
 
@@ -72,7 +78,7 @@ def trained_rank_copy(adapter_dir: Path, work: Path) -> tuple[Path, list[str]]:
         if k is not None and k.kind == "A" and info.shape:
             ranks[k.peft_module] = int(info.shape[0])
     common = Counter(ranks.values()).most_common(1)[0][0]
-    raw = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
+    raw = dict(read_adapter_config(Path(adapter_dir)).raw)  # bounded (pipeline.artifacts.bounded)
     raw["r"] = common
     raw["rank_pattern"] = {re.escape(m): r for m, r in sorted(ranks.items()) if r != common}
     dst = Path(work) / "reference-adapter"

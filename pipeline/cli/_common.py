@@ -7,9 +7,11 @@ group class of the main app) catches them for every command, so a command needs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import sys
 from typing import Annotated
 
 import click
@@ -27,6 +29,7 @@ from pipeline.errors import (
     UsageError,
 )
 from pipeline.interrupt import Interrupted
+from pipeline.redact import RedactingStream
 
 log = logging.getLogger("pipeline")
 
@@ -197,6 +200,20 @@ def report_error(exc: BaseException, code: int) -> None:
         err(str(exc))
 
 
+@contextlib.contextmanager
+def redacted_output():
+    """stdout and stderr through `pipeline.redact.RedactingStream` for the `with` block."""
+    saved = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, RedactingStream):
+        sys.stdout = RedactingStream(sys.stdout)
+    if not isinstance(sys.stderr, RedactingStream):
+        sys.stderr = RedactingStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 class PipelineGroup(TyperGroup):
     """The main app's click group: maps `pipeline.errors` exceptions to exit codes for every command."""
 
@@ -205,6 +222,10 @@ class PipelineGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
+        with redacted_output():  # every byte a command prints, whoever prints it (pipeline.redact)
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx: click.Context):
         try:
             with interrupt.handling():  # SIGTERM/SIGINT/SIGHUP: clean-up runs, then exit 128+N
                 return super().invoke(ctx)

@@ -19,11 +19,11 @@ layout rules and probes the version name. Pick one with `loading_mode(cfg)`.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.artifacts.bounded import MIB, load_json_file
 from pipeline.artifacts.volume import VERSION_RE, version_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import FleetError, UsageError
@@ -197,8 +197,8 @@ def resolver_layout_problems(cfg: ProjectConfig, name: str, version: int, path: 
         if os.path.commonpath([root, real]) != root:
             problems.append(f"{p}: real path {real} leaves the volume root {root} (the resolver refuses it)")
     try:
-        acfg = json.loads((path / "adapter_config.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError) as e:
+        acfg = load_json_file(path / "adapter_config.json", MIB)
+    except (OSError, ValueError) as e:  # missing, not JSON, over the bounds
         return problems + [f"{path}/adapter_config.json: unreadable ({e})"]
     if acfg.get("peft_type") != "LORA":
         problems.append(

@@ -31,14 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.artifacts.atomic import write_json_atomic
+from pipeline.artifacts.bounded import MIB, BoundsError, load_json_file
 from pipeline.artifacts.locks import file_lock
-from pipeline.artifacts.volume import os_failure
+from pipeline.artifacts.volume import os_failure, real_file
 from pipeline.errors import UsageError
 
 STATE_FILE = "fleet-state.json"
 LOCK_FILE = ".fleet-state.lock"
 SCHEMA = 1
 HISTORY_MAX = 50
+MAX_STATE_BYTES = 16 * MIB  # ~100,000 adapters
 
 
 @dataclass
@@ -93,10 +95,12 @@ def state_path(volume: Path) -> Path:
 def load_state(volume: Path) -> FleetState:
     """Read the desired state; an absent file is an empty state."""
     p = state_path(volume)
-    if not p.exists():
+    if not real_file(p, volume):  # absent; a link or a second name of another file: VolumeError
         return FleetState()
     try:
-        data = json.loads(p.read_text())
+        data = load_json_file(p, MAX_STATE_BYTES)
+    except BoundsError as e:
+        raise UsageError(f"{e}; restore it or delete it and publish again") from e
     except UnicodeDecodeError as e:
         raise UsageError(
             f"{p}: not a text file (byte {e.start} is not UTF-8); restore it or delete it and publish again"
@@ -142,6 +146,8 @@ def fleet_lock(volume: Path, timeout_s: float):
     may take it again. Raises LockedError after `timeout_s` seconds of waiting, VolumeError when
     the lock file cannot be created.
     """
+    if Path(volume).is_dir():
+        real_file(Path(volume) / LOCK_FILE, volume)  # the lock is the volume's own file, not a link
     with file_lock(
         Path(volume) / LOCK_FILE, timeout_s, "another fleet operation (publish, sync, rollback or prune)"
     ):

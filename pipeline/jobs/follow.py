@@ -164,6 +164,11 @@ def follow_alias(
                 log.warning("follow %s: %s v%s: publish failed, retrying next poll: %s", alias, name, v, e)
                 failed.append(e)
                 continue
+            if pub.skipped:  # the alias moved on (or a killed publish was completed): read it again next poll
+                for w in pub.warnings:
+                    log.warning("follow %s: %s: %s", alias, name, w)
+                log.info("follow %s: %s v%s: %s", alias, name, v, pub.skipped)
+                continue
             seen[name] = v
             shipped.append(pub)
             for w in pub.warnings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline.artifacts.bounded import loads_json
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.registry.presentation import refresh as refresh_ui
@@ -20,6 +21,7 @@ from pipeline.registry.versions import (
 
 # -- events: publish, rollout, rollback ------------------------------------------------------------
 EVENT_TAG_PREFIX = "event."
+MAX_TAG_BYTES = 64 * 1024  # MLflow keeps tag values to 8,000 characters
 
 
 # Summary-tag prefix per event type; other types use their own name (`rollout.instances`, ...).
@@ -70,19 +72,39 @@ def record_event(cfg: ProjectConfig, name: str, version: int, event: dict, txn: 
         mv = client.get_model_version(name, str(version))
     except MlflowException as e:
         raise UsageError(f"record_event: {name} version {version} not found in {cfg.tracking_uri}") from e
+    prefix = _SUMMARY_PREFIX.get(etype, etype)
     if txn:
-        for e in events(mv):
+        recorded = events(mv)  # oldest first
+        for i, e in enumerate(recorded):
             if e.get("txn") == txn and e.get("type") == etype:
+                # recorded by a run killed before (or, by an older pipeline, after) the summary tags:
+                # write them, unless a later event of this type owns them now
+                if not any(x.get("type") == etype for x in recorded[i + 1 :]):
+                    _set_summary(cfg, name, version, prefix, e, mv.tags or {})
                 return e
     stamp = now.strftime("%Y%m%dT%H%M%S.%f")
-    tags = {f"{EVENT_TAG_PREFIX}{stamp}Z.{etype}": json.dumps(stored, sort_keys=True, default=str)}
-    prefix = _SUMMARY_PREFIX.get(etype, etype)
-    for f in _SUMMARY_FIELDS:
-        if f in stored:
-            v = stored[f]
-            tags[f"{prefix}.{f}"] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
-    set_version_tags(cfg, name, version, tags)
+    # the summary tags first, the event last: the event tag is what says "recorded" (a re-run with
+    # the same `txn` finds it), so a process killed between the writes leaves no event without them
+    _set_summary(cfg, name, version, prefix, stored, {})
+    set_version_tags(
+        cfg,
+        name,
+        version,
+        {f"{EVENT_TAG_PREFIX}{stamp}Z.{etype}": json.dumps(stored, sort_keys=True, default=str)},
+    )
     return stored
+
+
+def _set_summary(cfg: ProjectConfig, name: str, version: int, prefix: str, event: dict, have: dict) -> None:
+    """The `<prefix>.<field>` tags of `event` (only those that differ from `have`)."""
+    tags = {}
+    for f in _SUMMARY_FIELDS:
+        if f in event:
+            v = event[f]
+            tags[f"{prefix}.{f}"] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+    todo = {k: v for k, v in tags.items() if have.get(k) != v}
+    if todo:
+        set_version_tags(cfg, name, version, todo)
 
 
 def events(mv) -> list[dict]:
@@ -91,8 +113,9 @@ def events(mv) -> list[dict]:
     for k in sorted(mv.tags or {}):
         if k.startswith(EVENT_TAG_PREFIX):
             try:
-                out.append(json.loads(mv.tags[k]))
-            except json.JSONDecodeError:
+                e = loads_json(mv.tags[k], f"version tag {k}", MAX_TAG_BYTES)
+                out.append(e if isinstance(e, dict) else {"type": k.rsplit(".", 1)[-1], "raw": mv.tags[k]})
+            except ValueError:  # not JSON, or over the bounds: shown raw
                 out.append({"type": k.rsplit(".", 1)[-1], "raw": mv.tags[k]})
     return out
 

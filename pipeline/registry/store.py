@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import sqlite3
 import urllib.error
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
+from pipeline.redact import redact, redact_uri
 
 # MLflow's HTTP client retries 7 times with backoff factor 2 (~4 minutes) by default; a pipeline
 # command should fail within seconds. The user's environment still wins.
@@ -41,11 +41,6 @@ HTTP_DEFAULTS = {
 }
 _checked: set[tuple[str, bool]] = set()  # (uri, checked for writing)
 _last_uri: list[str] = []
-
-
-def redact_uri(uri: str) -> str:
-    """`scheme://user:pass@host/...` -> `scheme://***@host/...` (for messages and manifests)."""
-    return re.sub(r"://[^/@]+@", "://***@", uri)
 
 
 def _marker(cfg: ProjectConfig, uri: str) -> Path:
@@ -191,7 +186,7 @@ def as_store_error(exc: BaseException, uri: str | None = None) -> StoreError | N
     if not mod.startswith(("mlflow", "sqlalchemy", "sqlite3", "requests", "urllib3", "psycopg2", "pymysql")):
         return None
     uri = uri or (_last_uri[-1] if _last_uri else "the MLflow store")
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = redact(str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
     if "database is locked" in str(exc):
         return StoreError(
             f"the MLflow store {redact_uri(uri)} is locked by another process (sqlite 'database is locked'); "

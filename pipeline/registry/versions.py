@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.artifacts.adapter_files import copy_adapter
 from pipeline.artifacts.fingerprint import manifest_fingerprint
 from pipeline.artifacts.manifest import AdapterManifest, read_adapter_manifest, verify_files
 from pipeline.artifacts.names import check_name
@@ -140,8 +141,9 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
     """Record `adapter_dir` as a LoggedModel, register it as a version of `name`, alias `candidate`.
 
 
-    The artifact is exactly the adapter directory (config, safetensors, tokenizer, manifest):
-    never base weights. `report` is the validation report dict (verdict, weights_sha256).
+    The artifact is exactly the adapter directory (config, safetensors, tokenizer, manifest), as
+    copied by `pipeline.artifacts.adapter_files.copy_adapter`: never base weights. `report` is the
+    validation report dict (verdict, weights_sha256).
     Lineage: dataset (run input, digest) -> run (`manifest.mlflow_run_id`, when it is in this
     store) -> LoggedModel (`source_run_id`) -> model version (`run_id`, source `models:/<id>`).
     The validation report also goes to the run as `validation/<name>/v<N>.json`.
@@ -149,28 +151,36 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
 
 
     Raises:
-        RegistryError: the directory has no manifest.json (train it with `pipeline train`).
+        RegistryError: the directory has no manifest.json (train it with `pipeline train`), or its
+            files differ from it.
+        UnsafeAdapterError: the directory holds something an adapter does not, a hard link, a file
+            of another user or a secret one (`pipeline.artifacts.adapter_files`); nothing is written.
     """
 
     check_name(name)  # the grammar (exit 2) before anything is read or written
     adapter_dir = Path(adapter_dir)
-    try:
-        manifest = read_adapter_manifest(adapter_dir)
-    except FileNotFoundError as e:
-        raise RegistryError(
-            f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
-        ) from e
-    except (ValueError, OSError) as e:  # not JSON, not a manifest, unreadable
-        raise RegistryError(f"{adapter_dir}: unusable manifest.json ({e}); nothing registered") from e
-    # The lineage on the version is the manifest's: refuse files that are not what it describes.
-    problems = verify_files(adapter_dir, manifest.files)
-    if problems:
-        raise RegistryError(
-            f"{adapter_dir}: files differ from manifest.json (edited after training?); nothing registered:\n  "
-            + "\n  ".join(problems)
-        )
-    with shielded():  # SIGTERM/SIGINT wait for the version, its tags and alias (pipeline/interrupt.py)
-        return _register(cfg, adapter_dir, name, report, manifest)
+    with tempfile.TemporaryDirectory(prefix="pipeline-register.") as td:
+        # What goes to the artifact store is this private copy: allowed names and sizes, no links,
+        # nothing secret (pipeline.artifacts.adapter_files); the manifest is checked against it.
+        copy = Path(td) / "adapter"
+        copy_adapter(adapter_dir, copy)
+        try:
+            manifest = read_adapter_manifest(copy)
+        except FileNotFoundError as e:
+            raise RegistryError(
+                f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
+            ) from e
+        except (ValueError, OSError) as e:  # not JSON, not a manifest, unreadable
+            raise RegistryError(f"{adapter_dir}: unusable manifest.json ({e}); nothing registered") from e
+        # The lineage on the version is the manifest's: refuse files that are not what it describes.
+        problems = verify_files(copy, manifest.files)
+        if problems:
+            raise RegistryError(
+                f"{adapter_dir}: files differ from manifest.json (edited after training?); nothing registered:\n  "
+                + "\n  ".join(problems).replace(str(copy), str(adapter_dir))
+            )
+        with shielded():  # SIGTERM/SIGINT wait for the version, its tags and alias (pipeline/interrupt.py)
+            return _register(cfg, copy, name, report, manifest)
 
 
 def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, manifest: dict) -> Registered:
@@ -215,9 +225,11 @@ def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, ma
     except BaseException:
         mlflow.finalize_logged_model(model.model_id, "FAILED")
         raise
+    # the verdict's binding goes with the version in one write: a register killed after it leaves
+    # no version that publish would have to re-validate for want of it
+    tags["validation.report"] = json.dumps(_compact(report))[:4900]
     mv = _register_with_retry(mlflow, f"models:/{model.model_id}", name, tags)
     client.update_model_version(name, mv.version, description=_describe(manifest, report))
-    client.set_model_version_tag(name, mv.version, "validation.report", json.dumps(_compact(report))[:4900])
     if run_id:
         with tempfile.TemporaryDirectory() as td:
             rp = Path(td) / f"v{mv.version}.json"

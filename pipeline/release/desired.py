@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.artifacts.volume import TXN, verify_version
+from pipeline.artifacts.volume import TXN, incomplete, real_dir, verify_version, version_dir, version_dirs
 from pipeline.config import ProjectConfig
 from pipeline.errors import PipelineError
 from pipeline.fleet.reconcile import StatusRow
@@ -44,7 +44,7 @@ def desired_drift(
         production = {n: production.get(n) for n in todo}
     # only the adapters asked about: `status b` must not report that `a` has no `production`
     rows = [d for d in drift(state, production) if d.adapter in todo]
-    pending = {p.stem for p in (vol / TXN).glob("*.json")} if (vol / TXN).is_dir() else set()
+    pending = {p.stem for p in (vol / TXN).glob("*.json")} if real_dir(vol / TXN, vol) else set()
     for n in sorted(pending & set(todo) if names else pending):
         intent = load_intent(vol, n)
         if intent is None:
@@ -102,6 +102,25 @@ def volume_rows(
     except PipelineError as e:
         rows.append(StatusRow("-", None, None, None, "error", f"drift not checked: {e}"))
     state = load_state(cfg.volume.path)
+    for name, versions in version_dirs(cfg.volume.path).items():  # the others: whole, at least
+        for v in versions:
+            why = (
+                None
+                if v == state.version(name) or (names and name not in names)
+                else incomplete(version_dir(cfg.volume.path, name, v))
+            )
+            if why:
+                rows.append(
+                    StatusRow(
+                        "-",
+                        name,
+                        state.version(name),
+                        f"v{v}",
+                        "corrupt",
+                        f"{why}: v{v} is not desired, but a rollback to it would fail; "
+                        f"move it away and publish v{v} again, or prune it (`pipeline fleet prune {name}`)",
+                    )
+                )
     for name, problems in desired_integrity(cfg).items():
         if names and name not in names:
             continue

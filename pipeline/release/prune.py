@@ -1,78 +1,105 @@
-"""`pipeline fleet prune`: delete old version directories from the volume, never one that is served."""
+"""`pipeline fleet prune`: delete old version directories from the volume, never one that is served, as a transaction.
+
+A prune deletes several directories and unloads names from several instances; a kill part-way
+must leave no version directory without its weights that `fleet status` would call fine. So:
+
+1. under NAME's transaction lock (after finishing what a killed publish, rollback or prune left)
+   and the fleet lock: the versions to delete (beyond the newest `keep`, never the desired or the
+   `production` one), then the intent record `.txn/<NAME>.json` (op `prune`, the versions);
+2. the instances unload those version names (refused, nothing deleted, when one still serves one
+   or does not answer, unless `force`);
+3. each directory is renamed into `.staging/<NAME>/` (one atomic step: the version directory is
+   whole or gone), then deleted there; the record is removed.
+
+A prune killed at any point is finished by the next transaction on NAME
+(`pipeline.release.transaction.recover`): what it had not yet moved is moved and deleted, except
+a version that became desired or `production` meanwhile (the operator's latest intent).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import registry
-from pipeline.artifacts.atomic import rmtree
 from pipeline.artifacts.names import check_name
-from pipeline.artifacts.volume import os_failure, parse_version_name, version_name
+from pipeline.artifacts.volume import remove_version, version_dirs, version_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import FleetError, UsageError
 from pipeline.fleet.client import InstanceClient
 from pipeline.fleet.instances import InstanceReport, each_instance, failure, instance_path
 from pipeline.fleet.state import fleet_lock, load_state
-from pipeline.release.transaction import adapter_transaction
+from pipeline.release.transaction import (
+    Intent,
+    adapter_transaction,
+    checkpoint,
+    clear_intent,
+    protected_versions,
+    save_intent,
+)
+
+
+def _unload(cfg: ProjectConfig, name: str, doomed: list[int], force: bool) -> None:
+    """Unload the doomed version names from every instance; FleetError (nothing deleted) if one serves one."""
+    if not cfg.fleet.instances:
+        return
+    doomed_paths = {instance_path(cfg, name, v) for v in doomed}
+    serving: list[str] = []
+
+    def unload(client: InstanceClient, rep: InstanceReport) -> None:
+        loaded = client.adapters()
+        if loaded.get(name) in doomed_paths:
+            serving.append(client.name)
+            raise FleetError(
+                f"{client.name}: still serves {name} from {loaded[name]}: run `pipeline fleet sync` first"
+            )
+        for v in doomed:
+            if version_name(name, v) in loaded:
+                client.unload(version_name(name, v))
+                rep.actions.append(f"unloaded {version_name(name, v)}")
+
+    reports = each_instance(cfg, unload)
+    if serving or (not force and not all(r.ok for r in reports)):
+        raise failure(
+            f"prune of {name} refused (nothing deleted; --force skips unreachable instances)", reports
+        )
 
 
 def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list[Path]:
     """Delete `<volume>/<NAME>-v<K>` directories beyond the newest `keep`, never the desired or production version.
 
-
-    Runs as a transaction on `name` (its lock, after finishing what a killed publish or rollback
-    left), then under the fleet lock. Unloads the pruned version names from the instances first.
-    Refuses (FleetError) when an instance still serves a version to prune or is unreachable
-    (unless `force`). Returns the deleted directories.
+    Runs as a transaction on `name` (module doc). Unloads the pruned version names from the
+    instances first. Raises UsageError (`keep` < 1, bad name), FleetError (an instance still
+    serves a version to prune or is unreachable, unless `force`: nothing deleted), LockedError,
+    VolumeError. Returns the deleted directories.
     """
     check_name(name)
     if keep < 1:
         raise UsageError("--keep must be at least 1")
     vol = Path(cfg.volume.path)
     with adapter_transaction(cfg, name), fleet_lock(vol, cfg.fleet.lock_timeout_s):
-        protected = {load_state(vol).version(name)}
-        if registry.model_exists(cfg, name):
-            protected.add(registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION))
-        versions = sorted(
-            (
-                parsed[1]
-                for p in vol.iterdir()
-                if p.is_dir() and (parsed := parse_version_name(p.name)) and parsed[0] == name
-            ),
-            reverse=True,
-        )
+        protected = protected_versions(cfg, name)
+        versions = version_dirs(vol, name).get(name, [])
         doomed = [v for v in versions[keep:] if v not in protected]
         if not doomed:
             return []
-        doomed_paths = {instance_path(cfg, name, v) for v in doomed}
-
-        serving: list[str] = []
-
-        def unload(client: InstanceClient, rep: InstanceReport) -> None:
-            loaded = client.adapters()
-            if loaded.get(name) in doomed_paths:
-                serving.append(client.name)
-                raise FleetError(
-                    f"{client.name}: still serves {name} from {loaded[name]}: run `pipeline fleet sync` first"
-                )
-            for v in doomed:
-                if version_name(name, v) in loaded:
-                    client.unload(version_name(name, v))
-                    rep.actions.append(f"unloaded {version_name(name, v)}")
-
-        reports = each_instance(cfg, unload) if cfg.fleet.instances else []
-        if serving or (not force and not all(r.ok for r in reports)):
-            raise failure(
-                f"prune of {name} refused (nothing deleted; --force skips unreachable instances)", reports
-            )
-        removed = []
-        for v in doomed:
-            d = vol / version_name(name, v)
-            try:
-                rmtree(d)
-                if d.exists():
-                    raise PermissionError(13, "some files could not be removed")
-            except OSError as e:
-                raise os_failure(e, "cannot delete", d) from e
-            removed.append(d)
+        state = load_state(vol)
+        intent = Intent(
+            op="prune",
+            name=name,
+            version=state.version(name) or 0,
+            from_version=None,
+            production_before=None,
+            previous_before=None,
+            state_before=state.adapters.get(name),
+            source="",
+            doomed=doomed,
+        )
+        save_intent(vol, intent)
+        checkpoint("after-intent")
+        try:
+            _unload(cfg, name, doomed, force)
+        except FleetError:
+            clear_intent(vol, name)  # nothing deleted
+            raise
+        removed = [d for v in doomed if (d := remove_version(vol, name, v, intent.id, checkpoint))]
+        clear_intent(vol, name)
         return removed

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import registry
+from pipeline.artifacts.adapter_files import copy_adapter
 from pipeline.artifacts.manifest import (
     Origin,
     PublishRecord,
@@ -47,7 +48,6 @@ from pipeline.artifacts.volume import (
     STAGING,
     check_writable,
     clear_debris,
-    copy_tree,
     staged_version,
     tree_size,
     verify_version_dir,
@@ -90,6 +90,7 @@ class Published:
     warnings: list[str] = field(default_factory=list)  # e.g. the canary measured another served checkpoint
     reports: list[InstanceReport] = field(default_factory=list, repr=False)
     gate_overridden: bool = False  # a version `pipeline run` gated, shipped with --force (recorded)
+    skipped: str | None = None  # follow: why nothing was published (the alias moved on meanwhile)
 
 
 def gate_override(mv, force: bool, follow: bool) -> str | None:
@@ -189,7 +190,7 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: Origin | None = No
         check_publishable(mv, manifest.weights_sha256)
         need, nfiles = tree_size(src)
         with staged_version(volume, name, version, need, nfiles, checkpoint) as st:
-            copy_tree(src, st.path)
+            copy_adapter(src, st.path)  # allowed names and sizes, no links, nothing secret
             checkpoint("after-copy")
             # re-validate if the verdict's binding changed; rename keys / fold patterns for the fleet's vLLM (parity proven)
             fleet = prepare_for_fleet(cfg, mv.tags or {}, st.path)
@@ -248,7 +249,9 @@ def publish(
 ) -> Published:
     """Publish `name` at `version` or `alias` to the volume and the fleet; `production` follows.
 
-    `follow`: called by the alias follower for a version someone made `production`; if the alias
+    `follow`: called by the alias follower for a version someone made `production`; when the
+    alias points elsewhere once the adapter's lock is held (e.g. recovery just completed an
+    operator's killed publish), nothing is published (`Published.skipped` says why); if the alias
     moves again during the publish it is left where it was moved.
     `force`: ship a version `pipeline run` gated (`gate.verdict` = gated); the override is recorded on the
     version (a `gate_override` event with the gate's reason). Without it a gated version is refused.
@@ -277,12 +280,25 @@ def publish(
         preflight(cfg)  # every instance runs the configured vLLM and model: else exit 4, nothing written
     volume = Path(cfg.volume.path)
     check_writable(volume)
-    with adapter_transaction(cfg, name, prefer="complete") as tx:
+    with adapter_transaction(cfg, name, prefer="complete", wanted=frozenset({target})) as tx:
         warnings += tx.notes
         done = tx.completed("publish", target)
         if done is not None:  # this very publish, killed earlier, was just completed
             path = version_dir(volume, name, target)
             return Published(name, target, path, done.created, done.from_version, done.instances, warnings)
+        if follow:
+            # The follower saw `production` at `target` before it had the lock. Recovery may just have
+            # completed an operator's killed publish, or someone moved the alias meanwhile: the alias as
+            # it is now is the operator's latest intent, never to be reverted with what was read before.
+            now = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
+            if now != target:
+                why = (
+                    f"`production` of {name} is v{now} now, not v{target}: nothing published "
+                    "(the latest move of the alias stands; the follower ships it next)"
+                )
+                return Published(
+                    name, target, version_dir(volume, name, target), False, warnings=warnings, skipped=why
+                )
         origin = expected_origin(cfg, mv)
         aliases = registry.aliases(cfg, name)  # one registry call for both
         prod, prev = aliases.get(registry.ALIAS_PRODUCTION), aliases.get(registry.ALIAS_PREVIOUS)

@@ -52,7 +52,10 @@ def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> RolledBack
     vol = cfg.volume.path
     registry.versions(cfg, name)  # UsageError naming the registered models if `name` is unknown
     seen = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
-    with adapter_transaction(cfg, name, prefer="undo") as tx:
+    # what this rollback may go to: finishing a killed prune must not delete it first
+    wanted = {to} if to is not None else {registry.alias_version(cfg, name, registry.ALIAS_PREVIOUS)}
+    wanted |= {load_state(vol).previous(name)} if to is None else set()
+    with adapter_transaction(cfg, name, prefer="undo", wanted=frozenset(v for v in wanted if v)) as tx:
         r = tx.recovered
         if r and r.outcome == "completed" and r.intent.op == "rollback":
             # A rollback killed earlier was just completed: if it is the one asked for again, it is done.

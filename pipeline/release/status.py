@@ -24,7 +24,7 @@ from pipeline.registry.store import redact_uri
 from pipeline.registry.versions import ALIAS_PRODUCTION, GATE_REASON_TAG, GATE_VERDICT_TAG
 from pipeline.release.desired import volume_rows
 
-_VERSION = re.compile(r"^v?(\d+)$")
+_VERSION = re.compile(r"v?(\d+)\Z")
 CANARY_TAG = "canary."  # pipeline.canary.record.TAG
 MERGED_TAG = "merge.served."  # pipeline.merge.served.TAG (`pipeline merge-parity`: merged vs hot-loaded)
 MERGED_TEXT = ("verdict", "time", "merged_dir")

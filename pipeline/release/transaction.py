@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
 import signal
 import socket
@@ -47,9 +46,20 @@ from pathlib import Path
 
 from pipeline import registry
 from pipeline.artifacts.atomic import write_json_atomic
+from pipeline.artifacts.bounded import MIB, load_json_file
 from pipeline.artifacts.locks import file_lock
 from pipeline.artifacts.names import check_name
-from pipeline.artifacts.volume import TXN, adapter_lock_path, os_failure, verify_version, version_dir
+from pipeline.artifacts.volume import (
+    LOCKS,
+    TXN,
+    adapter_lock_path,
+    os_failure,
+    real_dir,
+    real_file,
+    remove_version,
+    verify_version,
+    version_dir,
+)
 from pipeline.config import ProjectConfig
 from pipeline.errors import FleetError, PipelineError, UsageError
 from pipeline.fleet.instances import InstanceReport
@@ -62,8 +72,9 @@ from pipeline.registry.store import as_store_error
 KILL_ENV = "PIPELINE_TEST_KILL_AT"
 KILL_SIGNAL_ENV = "PIPELINE_TEST_KILL_SIGNAL"
 SCHEMA = 1
-OPS = ("publish", "rollback")
+OPS = ("publish", "rollback", "prune")
 PHASES = ("prepared", "volume", "fleet")
+MAX_INTENT_BYTES = 1 * MIB
 
 # Tests replace this with a function of the checkpoint name (raise, block, record).
 hook: Callable[[str], None] | None = None
@@ -85,9 +96,9 @@ def checkpoint(point: str) -> None:
 class Intent:
     """What a transaction on one adapter is doing; everything needed to finish or undo it."""
 
-    op: str  # publish | rollback
+    op: str  # publish | rollback | prune
     name: str
-    version: int  # the version it makes production
+    version: int  # the version it makes production (prune: the desired one, kept)
     from_version: int | None  # the version it replaces (becomes `previous`)
     production_before: int | None
     previous_before: int | None
@@ -101,9 +112,11 @@ class Intent:
     started: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
+    doomed: list[int] = field(default_factory=list)  # prune: the versions it deletes
 
     def describe(self) -> str:
-        return f"{self.op} of {self.name} v{self.version} (started {self.started} by pid {self.pid} on {self.host})"
+        what = f"v{', v'.join(map(str, self.doomed))}" if self.op == "prune" else f"v{self.version}"
+        return f"{self.op} of {self.name} {what} (started {self.started} by pid {self.pid} on {self.host})"
 
 
 def intent_path(volume: Path, name: str) -> Path:
@@ -114,11 +127,13 @@ def intent_path(volume: Path, name: str) -> Path:
 def load_intent(volume: Path, name: str) -> Intent | None:
     """The record an unfinished transaction on `name` left, or None. UsageError if it is unreadable."""
     p = intent_path(volume, name)
+    if not real_dir(Path(volume) / TXN, volume) or not real_file(p, volume):
+        return None
     try:
-        data = json.loads(p.read_text())
+        data = load_json_file(p, MAX_INTENT_BYTES)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+    except (OSError, ValueError) as e:  # BoundsError, JSONDecodeError, UnicodeDecodeError
         raise UsageError(
             f"{p}: unreadable record of an interrupted transaction ({e}); compare `pipeline status {name}` "
             f"with `pipeline fleet status`, then delete the file"
@@ -137,8 +152,8 @@ def load_intent(volume: Path, name: str) -> Intent | None:
 def save_intent(volume: Path, intent: Intent) -> None:
     """Write the record atomically (it either describes the transaction or is absent)."""
     p = intent_path(volume, intent.name)
+    real_dir(p.parent, volume, create=True)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(p, {"schema": SCHEMA, **asdict(intent)})
     except OSError as e:
         raise os_failure(e, "cannot write the transaction record", p) from e
@@ -273,6 +288,14 @@ def fleet_step(cfg: ProjectConfig, intent: Intent) -> list[InstanceReport]:
     return reports
 
 
+def protected_versions(cfg: ProjectConfig, name: str) -> set[int]:
+    """The versions of `name` nothing may delete: the desired one and the `production` one."""
+    protected = {load_state(cfg.volume.path).version(name)}
+    if registry.model_exists(cfg, name):
+        protected.add(registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION))
+    return {v for v in protected if v is not None}
+
+
 @dataclass
 class Recovery:
     """What the start of a transaction did with the record a killed predecessor left."""
@@ -282,12 +305,15 @@ class Recovery:
     note: str
 
 
-def recover(cfg: ProjectConfig, name: str, prefer: str = "complete") -> Recovery | None:
+def recover(
+    cfg: ProjectConfig, name: str, prefer: str = "complete", wanted: frozenset[int] = frozenset()
+) -> Recovery | None:
     """Finish or undo the transaction a killed command left on `name`; None when there is none.
 
     Call holding `name`'s adapter lock. `prefer`: `complete` (publish, promote, run) or `undo`
     (rollback: a publish whose `production` alias has not moved yet is undone). A rollback is
-    always completed. Raises FleetError/StoreError/VolumeError when neither is possible now
+    always completed. A prune is finished, never deleting the desired or `production` version or one
+    of `wanted` (what the command about to run asks for, e.g. `rollback --to N`). Raises FleetError/StoreError/VolumeError when neither is possible now
     (the record stays for the next command).
     """
     vol = cfg.volume.path
@@ -295,6 +321,17 @@ def recover(cfg: ProjectConfig, name: str, prefer: str = "complete") -> Recovery
     if intent is None:
         return None
     what = intent.describe()
+    if intent.op == "prune":
+        with fleet_lock(vol, cfg.fleet.lock_timeout_s):
+            protected = protected_versions(cfg, name) | set(wanted)
+            left = [v for v in intent.doomed if v not in protected]
+            removed = [v for v in left if remove_version(vol, name, v, intent.id)]
+            clear_intent(vol, name)
+        kept = sorted(set(intent.doomed) - set(left))
+        note = f"finished an interrupted {what}: {len(removed)} more version director{'y' if len(removed) == 1 else 'ies'} removed"
+        if kept:
+            note += f"; kept v{', v'.join(map(str, kept))} (desired or production now)"
+        return Recovery(intent, "completed", note)
     if intent.op == "publish" and intent.phase == "prepared":
         # Killed before the version directory was complete: nothing else had changed.
         clear_intent(vol, name)
@@ -354,14 +391,19 @@ class Transaction:
 
 
 @contextlib.contextmanager
-def adapter_transaction(cfg: ProjectConfig, name: str, prefer: str = "complete"):
+def adapter_transaction(
+    cfg: ProjectConfig, name: str, prefer: str = "complete", wanted: frozenset[int] = frozenset()
+):
     """Hold `name`'s transaction lock; first finish what a killed transaction left. Yields a `Transaction`.
+
+    `prefer`, `wanted`: see `recover`.
 
     Raises UsageError (bad name), LockedError (exit 3: another publish/rollback of `name` held
     the lock past `fleet.lock_timeout_s`), VolumeError (the lock file cannot be created).
     """
     check_name(name)
     vol = cfg.volume.path
+    real_dir(Path(vol) / LOCKS, vol, create=True)
     # SIGTERM/SIGINT wait until the transaction is complete (pipeline/interrupt.py); SIGKILL is
     # what the intent record is for.
     with (
@@ -373,7 +415,7 @@ def adapter_transaction(cfg: ProjectConfig, name: str, prefer: str = "complete")
         ),
     ):
         tx = Transaction(name)
-        tx.recovered = recover(cfg, name, prefer)
+        tx.recovered = recover(cfg, name, prefer, wanted)
         if tx.recovered:
             tx.notes.append(tx.recovered.note)
         yield tx

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.artifacts.bounded import MIB, BoundsError, load_yaml_file, loads_yaml
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.validate.catalogue import catalogue
 from pipeline.validate.report import FleetRules
@@ -64,6 +65,9 @@ class TrainingConfig:
         return [Path(d["path"]) for d in self.data.get(key) or [] if isinstance(d, dict) and "path" in d]
 
 
+MAX_YAML_BYTES = 4 * MIB  # an axolotl config (or overlay); pipeline.artifacts.bounded
+
+
 def parse_override(item: str) -> tuple[str, object]:
     """`key=value` (value parsed as YAML, dotted keys for nesting) -> (key, value).
 
@@ -73,7 +77,9 @@ def parse_override(item: str) -> tuple[str, object]:
         raise UsageError(f"--set {item!r}: expected key=value, e.g. --set max_steps=20")
     key, raw = item.split("=", 1)
     try:
-        return key.strip(), yaml.safe_load(raw) if raw else None
+        return key.strip(), loads_yaml(raw, f"--set {key.strip()}") if raw else None
+    except BoundsError as e:
+        raise UsageError(str(e)) from e
     except yaml.YAMLError as e:
         raise UsageError(
             f"--set {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); "
@@ -86,7 +92,9 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UsageError(f"{path}: axolotl config not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml_file(path, MAX_YAML_BYTES)
+    except BoundsError as e:
+        raise UsageError(f"{e}: not an axolotl config") from e
     except UnicodeDecodeError as e:
         raise UsageError(
             f"{path}: not a text file (byte {e.start} is not UTF-8): give an axolotl YAML"

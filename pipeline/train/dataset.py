@@ -22,10 +22,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.artifacts.bounded import MIB, BoundsError, loads_json
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.findings import Finding, Report
 
 ROLES = {"system", "user", "assistant", "tool"}
+
+
+MAX_LINE_BYTES = 16 * MIB  # one JSONL conversation (pipeline.artifacts.bounded)
 
 
 def _error(where: str, message: str, id: str = "dataset.schema") -> Finding:
@@ -357,7 +361,12 @@ def check_datasets(
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = loads_json(line, where, MAX_LINE_BYTES)
+                except BoundsError as e:
+                    report.findings.append(
+                        _error(where, str(e).removeprefix(f"{where}: "), id="dataset.json")
+                    )
+                    continue
                 except json.JSONDecodeError as e:
                     report.findings.append(
                         _error(where, f"invalid JSON: {e.msg} (column {e.colno})", id="dataset.json")

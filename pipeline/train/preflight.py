@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.artifacts.bounded import MIB, load_json_file
 from pipeline.train.config import TrainingConfig
 from pipeline.train.fused_loss import LOGIT_BYTES_PER_ELEMENT
 
@@ -83,8 +83,8 @@ def base_config(tc: TrainingConfig) -> dict | None:
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
+        return load_json_file(p, 64 * MIB)
+    except (OSError, ValueError):  # unreadable, not JSON, over the bounds
         return None
 
 
@@ -213,8 +213,8 @@ def _weights_bytes(base: Path, cfg: dict) -> int | None:
     idx = base / "model.safetensors.index.json"
     if idx.is_file():
         try:
-            return int(json.loads(idx.read_text())["metadata"]["total_size"])
-        except (OSError, KeyError, ValueError, json.JSONDecodeError):
+            return int(load_json_file(idx, 64 * MIB)["metadata"]["total_size"])
+        except (OSError, KeyError, TypeError, ValueError):
             pass
     files = list(base.glob("*.safetensors"))
     return sum(f.stat().st_size for f in files) or None

@@ -14,10 +14,10 @@ chat template (the tiny template is prefix-stable, like axolotl's masking assume
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from pipeline.artifacts.bounded import MIB, loads_json
 from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.artifacts.peft_model import load_peft
 from pipeline.validate.facts import AdapterFacts
@@ -50,7 +50,7 @@ def _conversations(files: list[Path]) -> list[dict]:
     for f in files:
         for line in Path(f).read_text().splitlines():
             if line.strip():
-                out.append(json.loads(line))
+                out.append(loads_json(line, str(f), 16 * MIB))  # BoundsError: a ValueError naming the file
     return out[:MAX_EVAL_CONVERSATIONS]
 
 

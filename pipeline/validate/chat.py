@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.artifacts.adapter_files import ADAPTER_FILES
+from pipeline.artifacts.bounded import MIB, BoundsError, check_template, load_json_file, read_bounded
 from pipeline.errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -79,7 +81,9 @@ def _token_text(v) -> str | None:
 
 def _read_json(p: Path) -> dict:
     try:
-        d = json.loads(p.read_text())
+        d = load_json_file(p, ADAPTER_FILES.get(p.name, 64 * MIB))
+    except BoundsError as e:
+        raise TokenizerError(str(e)) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(
             f"{p}: not valid JSON ({getattr(e, 'msg', e)} at line {getattr(e, 'lineno', 1)})"
@@ -95,7 +99,12 @@ def read_template(d: Path) -> str | None:
     d = Path(d)
     f = d / TEMPLATE_FILE
     if f.is_file() and not f.is_symlink():
-        return f.read_text()
+        try:
+            text = read_bounded(f, ADAPTER_FILES[TEMPLATE_FILE], "a chat template").decode("utf-8")
+            check_template(text, str(f))
+        except (BoundsError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{f}: {e}" if isinstance(e, UnicodeDecodeError) else str(e)) from e
+        return text
     tc = d / "tokenizer_config.json"
     if tc.is_file() and not tc.is_symlink():
         t = _read_json(tc).get("chat_template")
@@ -103,6 +112,11 @@ def read_template(d: Path) -> str | None:
             t = next(
                 (x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None
             )
+        if isinstance(t, str):
+            try:
+                check_template(t, f"{tc}: chat_template")
+            except BoundsError as e:
+                raise TokenizerError(str(e)) from e
         return t if isinstance(t, str) else None
     return None
 

@@ -14,9 +14,9 @@ Returns the record publish writes into the manifest (`normalised`, `revalidated`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from pipeline.artifacts.bounded import loads_json
 from pipeline.artifacts.checkpoint import read_checkpoint
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.normalise import ParityError, normalise_for_serving
@@ -29,8 +29,13 @@ from pipeline.validate.rules import rules_version
 
 def _bound(tags: dict) -> dict:
     try:
-        return json.loads(tags.get("validation.report") or "{}").get("bound") or {}
-    except (json.JSONDecodeError, AttributeError):
+        return (
+            loads_json(tags.get("validation.report") or "{}", "the validation.report tag", 64 * 1024).get(
+                "bound"
+            )
+            or {}
+        )
+    except (ValueError, AttributeError):  # not JSON or over the bounds (pipeline.artifacts.bounded)
         return {}
 
 

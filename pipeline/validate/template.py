@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.artifacts.bounded import MIB, load_yaml_file
 from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.errors import UsageError
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer, read_template, render
@@ -165,8 +166,8 @@ def check_training_config(path: Path) -> dict:
     if not p.is_file():
         raise UsageError(f"--training-config {p}: no such file (give the run's resolved.yml)")
     try:
-        data = yaml.safe_load(p.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        data = load_yaml_file(p, 4 * MIB)
+    except (yaml.YAMLError, ValueError) as e:  # not YAML, not UTF-8, over the bounds
         raise UsageError(f"--training-config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if data is not None and not isinstance(data, dict):
         raise UsageError(f"--training-config {p}: an axolotl config is a mapping, got {type(data).__name__}")
@@ -228,7 +229,7 @@ def training_side(
 ) -> TrainingSide | None:
     cfg_path = training_config_path(adapter_dir, training_config)
     if cfg_path is not None:
-        data = yaml.safe_load(Path(cfg_path).read_text()) or {}
+        data = load_yaml_file(Path(cfg_path), 4 * MIB) or {}
         side = training_side_from_config(data, cfg_path, adapter_dir, base_dir)
         if side is not None:
             return side

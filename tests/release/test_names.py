@@ -34,6 +34,8 @@ HOSTILE = {
     "foo-v1": "version 1 of adapter 'foo'",
     "foo-v12": "version 12 of adapter 'foo'",
     "a\nb": "contains '\\n'",
+    "abc\n": "contains '\\n'",  # issue 30: `$` matched before the newline: the directory `abc\n-v1`
+    "\nabc": "contains '\\n'",
 }
 
 
@@ -50,6 +52,30 @@ def test_hostile_names_are_refused_with_the_grammar(name, why):
         check_name(name)
     assert why in str(e.value) and GRAMMAR in str(e.value)
     assert len(str(e.value)) < 600  # a 300-character name is shortened in the message
+
+
+def test_no_pattern_of_the_volume_or_the_tensors_takes_a_trailing_newline():
+    """Siblings of `abc\n`: a directory `agent-v1\n` parsed as version 1 of `agent` (prune counted v1
+    twice and deleted a version it should keep), a tensor `...lora_A.weight\n` parsed as a LoRA key."""
+    from pipeline.artifacts.adapter import lora_key_form, parse_key
+    from pipeline.artifacts.volume import staging_owner
+
+    assert parse_version_name("agent-v1") == ("agent", 1)
+    assert parse_version_name("agent-v1\n") is None
+    assert staging_owner("agent\n") is None
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert parse_key(key) is not None
+    assert parse_key(key + "\n") is None and lora_key_form(key + "\n") is not None
+
+
+def test_instance_names_from_the_config_take_no_newline(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+    from tests.support.helpers import write_project_config
+
+    p = write_project_config(tmp_path, fleet={"instances": [{"name": "vllm-1\n", "url": "http://h:1"}]})
+    with pytest.raises(ConfigError, match="fleet.instances.0.name"):
+        load_config(p)
 
 
 def test_no_name_and_version_produce_another_adapters_directory_or_served_name():

@@ -1,0 +1,111 @@
+"""Secrets printed (issue 30 kind 4): no command prints a registry password, token or API key.
+
+Every command that prints a tracking URI (results, `--json`, error messages) runs against stores
+whose URIs carry credentials; the secrets must not appear in what it prints. The stores are
+unreachable on purpose (a closed port on 127.0.0.1): the commands fail within seconds, and their
+error messages name the store.
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.redact import RedactingStream, add_secret, redact, redact_uri
+from tests.support.helpers import write_project_config
+from tests.support.registry_support import free_port
+
+SECRET = "Pa55-w0rd-xyz"  # in the URI
+TOKEN = "tok-abcdef-123456"  # in MLflow's credential variables
+
+
+def test_redact_uri_masks_user_info_and_credential_parameters():
+    assert redact_uri("postgresql://bob:pw@db:5432/m") == "postgresql://***@db:5432/m"
+    assert redact_uri("postgresql://db/m?sslmode=require&password=pw") == (
+        "postgresql://db/m?sslmode=require&password=***"
+    )
+    assert redact_uri("https://h/x?X-Amz-Signature=abc&y=1") == "https://h/x?X-Amz-Signature=***&y=1"
+    assert redact_uri("sqlite:////abs/mlflow.db") == "sqlite:////abs/mlflow.db"
+
+
+def test_redact_masks_secret_variables_and_registered_values(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", TOKEN)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")  # a name, not a secret
+    add_secret("instance-api-key-42")
+    text = f"token {TOKEN}, key instance-api-key-42, user alice"
+    assert redact(text) == "token ***, key ***, user alice"
+
+
+def test_the_stream_redacts_whatever_writes_to_it(capsys):
+    import sys
+
+    s = RedactingStream(sys.stdout)
+    print("mlflow at http://u:verysecret@h/", file=s)
+    assert capsys.readouterr().out == "mlflow at http://***@h/\n"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("redact")
+    port = free_port()
+    (root / "file-uri").mkdir()
+    (root / "plain").mkdir()
+    in_file = write_project_config(
+        root / "file-uri",
+        registry={"tracking_uri": f"postgresql://svc:{SECRET}@127.0.0.1:{port}/mlflow?password={SECRET}"},
+    )
+    plain = write_project_config(root / "plain")
+    envs = {
+        "http": {
+            "PIPELINE_CONFIG": str(plain),
+            "MLFLOW_TRACKING_URI": f"http://alice:{SECRET}@127.0.0.1:{port}",
+        },
+        "postgres-file": {"PIPELINE_CONFIG": str(in_file), "MLFLOW_TRACKING_URI": ""},
+        "token": {
+            "PIPELINE_CONFIG": str(plain),
+            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
+            "MLFLOW_TRACKING_TOKEN": TOKEN,
+            "MLFLOW_TRACKING_PASSWORD": SECRET,
+        },
+    }
+    return root, envs
+
+
+COMMANDS = [
+    ["config", "show"],
+    ["config", "show", "--json"],
+    ["status"],
+    ["status", "--json"],
+    ["status", "agent"],
+    ["ui"],
+    ["register", "/nonexistent", "--name", "agent"],
+    ["publish", "agent", "--version", "1"],
+    ["publish", "agent", "--version", "1", "--json"],
+    ["promote", "agent", "1"],
+    ["rollback", "agent"],
+    ["fleet", "status"],
+    ["fleet", "prune", "agent"],
+    ["fleet", "sync", "--follow-alias", "production"],
+    ["follow-alias", "--once"],
+    ["canary", "agent", "--version", "1", "--staging", "http://127.0.0.1:9"],
+]
+
+
+@pytest.mark.parametrize("env", ["http", "postgres-file", "token"])
+def test_no_command_prints_a_secret(world, env, monkeypatch):
+    """`config show` printed the password of PIPELINE_REGISTRY__TRACKING_URI (issue 30); every other
+    command that prints the store's URI is checked with it."""
+    from pipeline.registry import store
+
+    root, envs = world
+    monkeypatch.chdir(root)
+    leaks = []
+    for args in COMMANDS:
+        store._checked.clear()
+        e = {k: (v or None) for k, v in envs[env].items()}
+        r = CliRunner().invoke(app, args, env=e)
+        out = r.output + (str(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
+        if SECRET in out or TOKEN in out or "Traceback" in out:
+            leaks.append(f"{' '.join(args)} (exit {r.exit_code}): {out[-400:]}")
+    assert leaks == []
