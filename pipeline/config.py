@@ -525,7 +525,13 @@ def load_config(path: Path | None = None) -> ProjectConfig:
         path = find_config(path)
     data: dict = {}
     if path is not None:
-        if not path.exists():
+        try:
+            exists = path.exists()
+        except OSError as e:  # a directory on the way this user may not enter
+            raise ConfigError(
+                f"{path}: cannot read the config file: {e.strerror or e} (uid {os.geteuid()})"
+            ) from e
+        if not exists:
             raise ConfigError(f"{path}: config file not found (set {CONFIG_ENV} or pass --config)")
         try:
             data = load_yaml_file(path, MAX_CONFIG_BYTES) or {}

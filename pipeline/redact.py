@@ -1,4 +1,6 @@
-"""Secrets never printed: the one redaction every output of the pipeline goes through.
+"""What the pipeline prints: never a secret, never another program's traceback.
+
+The one redaction every output of the pipeline goes through, and the rule for third-party loggers.
 
 What counts as a secret:
 - the password in a URI's user-info (`postgresql://user:PASS@host/db`, `http://user:PASS@host`) and
@@ -13,13 +15,22 @@ through `RedactingStream` (installed by `pipeline.cli._common.PipelineGroup` for
 results, `--json` documents, error messages, log records and rich tables are all redacted in that
 one place, whatever printed them. Values the pipeline stores (a manifest's registry URI, an event)
 are redacted where they are written, with `redact_uri`.
+
+Other programs' tracebacks: a library that logs an exception (MLflow's SQL store logs every
+"database is locked" with two chained tracebacks, before the pipeline reports the same failure as
+one line) must not print it at the CLI's default log level. `quiet_third_party` (called by the
+CLI's logging set-up, and by `pipeline.registry.store` right after MLflow configured its own
+loggers on import) keeps those loggers at CRITICAL and strips tracebacks from every third-party
+record; `--verbose` shows all of it.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
+import sys
 
 MASK = "***"
 MIN_SECRET_LEN = 4  # shorter values (`1`, `true`) are no secret worth mangling output for
@@ -96,3 +107,62 @@ class RedactingStream(io.TextIOBase):
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+# -- other programs' tracebacks ---------------------------------------------------------------------
+# Loggers that install their own handlers on import (MLflow's `_configure_mlflow_loggers`): our
+# levels set before the import are replaced, so `quiet_third_party` runs again after it.
+OWN_HANDLER_LOGGERS = ("mlflow", "alembic", "sqlalchemy.engine", "huey")
+_quiet = False
+
+
+class NoTraceback(logging.Filter):
+    """Keeps a record's message, drops its traceback (exc_info, stack_info)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+class _ThirdPartyHandler(logging.StreamHandler):
+    """Warnings of loggers without a handler (what `logging.lastResort` printed), without tracebacks,
+    to whatever `sys.stderr` is when the record comes (the CLI redacts it)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+        self.setLevel(logging.WARNING)
+        self.addFilter(NoTraceback())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def quiet_third_party(enable: bool | None = None) -> None:
+    """At the default log level: no third-party traceback, and MLflow's own loggers at CRITICAL.
+
+    `enable` True turns it on for this process (the CLI without `--verbose`), False off; None
+    re-applies what is on (after a library configured its loggers). Library use (no CLI) is left
+    alone unless it asks.
+    """
+    global _quiet
+    if enable is not None:
+        _quiet = enable
+    root = logging.getLogger()
+    if not _quiet:
+        if enable is False:  # `--verbose` after a quiet run in this process: everything shows again
+            root.handlers[:] = [h for h in root.handlers if not isinstance(h, _ThirdPartyHandler)]
+            for name in OWN_HANDLER_LOGGERS:
+                lg = logging.getLogger(name)
+                lg.setLevel(logging.NOTSET)
+                for h in lg.handlers:
+                    h.filters[:] = [f for f in h.filters if not isinstance(f, NoTraceback)]
+        return
+    if not any(isinstance(h, _ThirdPartyHandler) for h in root.handlers):
+        root.addHandler(_ThirdPartyHandler())
+    for name in OWN_HANDLER_LOGGERS:
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.CRITICAL)
+        for h in lg.handlers:
+            if not any(isinstance(f, NoTraceback) for f in h.filters):
+                h.addFilter(NoTraceback())

@@ -121,6 +121,7 @@ def test_layers_point_one_way():
         "pipeline.interrupt": 0,
         "pipeline.config": 0,
         "pipeline.findings": 0,
+        "pipeline.redact": 0,
         "pipeline.artifacts": 0,
         "pipeline.serving": 0,
         "pipeline.registry": 2,

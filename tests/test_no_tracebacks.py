@@ -28,6 +28,7 @@ from tests.support.helpers import REPO, write_project_config
 from tests.support.registry_support import free_port
 
 ERRORS = (1, 2, 3, 4, 5)
+DEEP = "[" * 100_000
 
 
 @dataclass
@@ -75,6 +76,19 @@ def _hostile_files(root: Path) -> dict[str, Path]:
     p["yaml-list"].write_text("- just\n- a list\n")
     p["out-exists"] = root / "out-exists"
     p["out-exists"].mkdir()
+    # issue 30 kind 2: every file the pipeline parses, nested 100,000 levels deep
+    deep = root / "deep-adapter"
+    deep.mkdir()
+    for f in ("manifest.json", "adapter_config.json", "tokenizer_config.json"):
+        (deep / f).write_text(DEEP)
+    raw = ('{"a":' + DEEP).encode()
+    (deep / "adapter_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    (deep / "chat_template.jinja").write_text("{% if a %}" * 5000 + "{{ " + "(" * 5000 + " }}")
+    p["deep-adapter"] = deep
+    p["deep-yaml"] = root / "deep.yml"
+    p["deep-yaml"].write_text("base_model: x\nlora_r: " + "[" * 100_000 + "\n")
+    p["deep-jsonl"] = root / "deep.jsonl"
+    p["deep-jsonl"].write_text(DEEP + "\n")
     return p
 
 
@@ -99,6 +113,18 @@ def world(tmp_path_factory) -> World:
     (root / "binary-state" / "volume" / ".txn").mkdir(parents=True)
     (root / "binary-state" / "volume" / "fleet-state.json").write_bytes(b"\x80\xff" * 64)
     (root / "binary-state" / "volume" / ".txn" / "agent.json").write_bytes(b"\x80\xff" * 64)
+    # issue 30: records on the volume nested 100,000 deep, and the volume's own entries as links out of it
+    for d in ("deep-state", "link-state"):
+        (root / d / "volume" / ".txn").mkdir(parents=True)
+    deep_state = write_project_config(root / "deep-state")
+    (root / "deep-state" / "volume" / "fleet-state.json").write_text(DEEP)
+    (root / "deep-state" / "volume" / ".txn" / "agent.json").write_text(DEEP)
+    link_state = write_project_config(root / "link-state")
+    os.symlink("/etc/hostname", root / "link-state" / "volume" / "fleet-state.json")
+    os.symlink("/etc/hostname", root / "link-state" / "volume" / ".txn" / "agent.json")
+    os.symlink(root / "a-directory", root / "link-state" / "volume" / ".staging")
+    deep_cfg = root / "deep-config.yaml"
+    deep_cfg.write_text("fleet: " + DEEP + "\n")
     not_db = write_project_config(root / "not-db")
     (root / "not-db" / "state").mkdir(parents=True)
     (root / "not-db" / "state" / "mlflow.db").write_bytes(b"garbage" * 500)
@@ -115,14 +141,29 @@ def world(tmp_path_factory) -> World:
         "broken-state": {**base, "PIPELINE_CONFIG": str(broken_state)},
         "binary-state": {**base, "PIPELINE_CONFIG": str(binary_state)},
         "binary-config": {**base, "PIPELINE_CONFIG": str(w.paths["binary"])},
+        "deep-state": {**base, "PIPELINE_CONFIG": str(deep_state)},
+        "link-state": {**base, "PIPELINE_CONFIG": str(link_state)},
+        "deep-config": {**base, "PIPELINE_CONFIG": str(deep_cfg)},
+        # issue 30 kind 3: settings from the environment that are not what they look like
+        "env-json": {**base, "PIPELINE_FLEET": "{"},
+        "env-uri": {**base, "MLFLOW_TRACKING_URI": "http://[::1"},
+        "env-typo": {**base, "PIPELINE_VOLUME_PATH": "/elsewhere"},
     }
     return w
 
 
-NAMES = ["../escape", "a/b", "/etc/passwd", "x" * 300, "Foo", "foo-v1", ""]
-STORES = ["closed-port", "file-store", "not-a-db"]
-CONFIGS = ["bad-config", "yaml-config", "missing-config", "binary-config"]
-VOLUMES = ["broken-state", "binary-state"]
+NAMES = ["../escape", "a/b", "/etc/passwd", "x" * 300, "Foo", "foo-v1", "", "abc\n"]
+STORES = ["closed-port", "file-store", "not-a-db", "env-uri"]
+CONFIGS = [
+    "bad-config",
+    "yaml-config",
+    "missing-config",
+    "binary-config",
+    "deep-config",
+    "env-json",
+    "env-typo",
+]
+VOLUMES = ["broken-state", "binary-state", "deep-state", "link-state"]
 
 
 def cases(w: World) -> list[Case]:
@@ -140,16 +181,20 @@ def cases(w: World) -> list[Case]:
     add(Case(["train", tiny, "--overlay", P["missing"]]))
     add(Case(["train", tiny, "--overlay", P["yaml"]]))
     add(Case(["train", tiny, "--gpus", "-3"]))
+    add(Case(["train", P["deep-yaml"]]))
+    add(Case(["train", tiny, "--overlay", P["deep-yaml"]]))
+    add(Case(["train", tiny, "--set", "lora_r=" + "[" * 5000]))
     # validate
-    for f in ("missing", "devnull", "binary", "dir", "loop", "bad-adapter", "empty"):
+    for f in ("missing", "devnull", "binary", "dir", "loop", "bad-adapter", "empty", "deep-adapter"):
         add(Case(["validate", P[f]]))
     add(Case(["validate", P["bad-adapter"], "--base", P["missing"]]))
     add(Case(["validate", P["dir"], "--served", P["binary"], "--json"]))
     # register
     for n in NAMES:
         add(Case(["register", P["dir"], "--name", n]))
-    for f in ("missing", "devnull", "binary", "bad-adapter", "loop"):
+    for f in ("missing", "devnull", "binary", "bad-adapter", "loop", "deep-adapter"):
         add(Case(["register", P[f], "--name", "agent"]))
+    add(Case(["validate", P["dir"], "--training-config", P["deep-yaml"]]))
     # publish / promote / rollback
     for n in NAMES:
         add(Case(["publish", n, "--version", "1"]))
@@ -173,11 +218,28 @@ def cases(w: World) -> list[Case]:
     for n in NAMES:
         add(Case(["canary", n, "--staging", f"http://127.0.0.1:{free_port()}"]))
     add(Case(["canary", P["bad-adapter"], "--staging", f"http://127.0.0.1:{free_port()}"]))
+    add(Case(["canary", P["deep-adapter"], "--staging", f"http://127.0.0.1:{free_port()}"]))
     add(Case(["canary", P["dir"], "--version", "1", "--staging", "not a url"]))
     add(Case(["canary", "ghost", "--staging", "http://127.0.0.1:9", "--instance-path", "/x"]))
     # merge
     add(Case(["merge", P["missing"], "--base", P["missing"], "--out", P["out-exists"]]))
     add(Case(["merge", P["bad-adapter"], "--base", P["dir"], "--out", str(w.root / "merged")]))
+    add(Case(["merge", P["deep-adapter"], "--base", P["deep-adapter"], "--out", str(w.root / "merged-deep")]))
+    # merge-parity
+    add(Case(["merge-parity", P["missing"], "--merged", "http://127.0.0.1:9"]))
+    add(
+        Case(
+            [
+                "merge-parity",
+                P["deep-adapter"],
+                "--merged",
+                "http://127.0.0.1:9",
+                "--hot",
+                "http://127.0.0.1:9",
+            ]
+        )
+    )
+    add(Case(["merge-parity", P["dir"], "--merged", "not a url"]))
     add(Case(["merge", P["dir"], "--base", P["binary"], "--out", P["devnull"]]))
     add(
         Case(
@@ -204,7 +266,7 @@ def cases(w: World) -> list[Case]:
     # run / follow-alias
     for n in NAMES:
         add(Case(["run", tiny, "--name", n]))
-    for f in ("missing", "binary", "yaml", "dir"):
+    for f in ("missing", "binary", "yaml", "dir", "deep-yaml"):
         add(Case(["run", P[f]]))
     for n in NAMES:
         add(Case(["follow-alias", "--once", "--name", n]))
@@ -252,7 +314,7 @@ def cases(w: World) -> list[Case]:
         )
     )
     # dataset
-    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml"):
+    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "deep-jsonl"):
         add(Case(["dataset", "check", P[f]]))
     add(Case(["dataset", "check", P["empty"], "--validation", P["binary"], "--tokenizer", P["dir"]]))
     add(Case(["dataset", "check", P["empty"], "--sequence-len", "-5"]))
@@ -281,6 +343,9 @@ def cases(w: World) -> list[Case]:
     add(Case(["dev", "real-base", str(w.root / "rb"), "--shard-gb", "nan"]))
     add(Case(["dev", "tiny-base", P["devnull"]]))
     add(Case(["dev", "tiny-base", str(w.root / "tb"), "--layout", "bogus"]))
+    add(Case(["dev", "served-base", P["missing"], str(w.root / "sb")]))
+    add(Case(["dev", "served-base", P["deep-adapter"], str(w.root / "sb2")]))
+    add(Case(["dev", "served-base", P["dir"], P["devnull"]]))
     # every registry and volume command against broken stores, project configs and volumes
     for env in STORES + CONFIGS + VOLUMES:
         for args in (

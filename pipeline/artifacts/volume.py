@@ -87,8 +87,8 @@ def os_failure(e: OSError, doing: str, path: Path | str) -> VolumeError:
         errno.ENOSPC: "the filesystem is full: prune old versions (`pipeline fleet prune NAME --keep N`) "
         "or grow the volume",
         errno.EDQUOT: "the disk quota is exhausted: prune old versions or raise the quota",
-        errno.EACCES: "permission denied: run as a user that may write there",
-        errno.EPERM: "operation not permitted: run as a user that may write there",
+        errno.EACCES: "permission denied: run as a user that may use it (its owner), or fix its modes",
+        errno.EPERM: "operation not permitted: run as a user that may use it (its owner)",
         errno.ENAMETOOLONG: "a file name is too long for this filesystem",
         errno.EIO: "an I/O error: check the disk or the network filesystem",
     }.get(e.errno, "")

@@ -29,7 +29,7 @@ from pipeline.errors import (
     UsageError,
 )
 from pipeline.interrupt import Interrupted
-from pipeline.redact import RedactingStream
+from pipeline.redact import RedactingStream, quiet_third_party
 
 log = logging.getLogger("pipeline")
 
@@ -178,6 +178,7 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     log.setLevel(level)
     log.propagate = False
     if verbose:
+        quiet_third_party(False)
         return
     warnings.filterwarnings("ignore")
     warnings.filterwarnings("default", module=r"pipeline(\.|$)")
@@ -190,6 +191,7 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
             quieted.append(k)
     # child processes (the trainer) keep their own warnings in train.log: `train_env` drops these
     os.environ["PIPELINE_QUIETED_ENV"] = ",".join(quieted)
+    quiet_third_party(True)  # no other program's traceback at the default level (pipeline.redact)
 
 
 def report_error(exc: BaseException, code: int) -> None:

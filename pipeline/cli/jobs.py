@@ -14,8 +14,9 @@ import typer
 from pipeline.cli._common import adapter_name, finite, log, project_config, resolve_error
 from pipeline.errors import LockedError, UsageError
 from pipeline.interrupt import Interrupted
-from pipeline.jobs.follow import WebhookReceiver, follow_alias
+from pipeline.jobs.follow import follow_alias
 from pipeline.jobs.run import run
+from pipeline.jobs.webhook import WebhookReceiver
 
 app = typer.Typer()
 

@@ -120,6 +120,8 @@ def ui(
     try:
         names = [name] if name else [m.name for m in read_models(cfg)]
         typer.echo(f"MLflow UI: {model_url(server.url)}")
+        c = server.credentials
+        typer.echo(f"  log in as {c.username!r}, password: {c.source} (the UI lets no one in without it)")
         for n in names:
             typer.echo(f"  {n}: {model_url(server.url, n)}")
         log.info("Ctrl-C to stop")

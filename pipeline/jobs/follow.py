@@ -6,22 +6,15 @@ Moving `production` in the MLflow UI therefore ships it. Polling is the source o
 MLflow's webhooks are fire-and-forget (3 retries, no queue; docs/mlflow.md), so a
 webhook only wakes the poll loop early and never carries state itself.
 
-Webhook signatures follow mlflow/webhooks/delivery.py (mlflow 3.17): header
-`X-MLflow-Signature: v1,<base64 HMAC-SHA256(secret, "<delivery id>.<timestamp>.<body>")>`
-with `X-MLflow-Delivery-Id` and `X-MLflow-Timestamp` (unix seconds).
+The webhook receiver (`--webhook-port`) is `pipeline.jobs.webhook`.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pipeline import registry
 from pipeline.artifacts.volume import version_dir
@@ -39,12 +32,6 @@ from pipeline.fleet.state import load_state
 from pipeline.release.publish import publish
 
 log = logging.getLogger(__name__)
-
-SIGNATURE_HEADER = "X-MLflow-Signature"
-DELIVERY_HEADER = "X-MLflow-Delivery-Id"
-TIMESTAMP_HEADER = "X-MLflow-Timestamp"
-MAX_SKEW_S = 300  # reject webhook deliveries older (or newer) than this: replay protection
-
 
 SHIP_EVENTS = ("publish", "rollback")
 # Failures of the environment, not of the version: retried at the next poll (StoreError and
@@ -186,80 +173,3 @@ def follow_alias(
         while not stop.is_set() and not wake.is_set() and time.monotonic() < deadline:
             wake.wait(min(0.2, max(0.0, deadline - time.monotonic())))
     return shipped
-
-
-# -- webhooks ---------------------------------------------------------------------------------------
-def verify_signature(
-    secret: str, delivery_id: str, timestamp: str, body: bytes, signature: str, now: float | None = None
-) -> bool:
-    """True when `signature` is MLflow's HMAC for this delivery and the timestamp is fresh."""
-    try:
-        if abs((now or time.time()) - int(timestamp)) > MAX_SKEW_S:
-            return False
-    except ValueError:
-        return False
-    version, _, sig = signature.partition(",")
-    if version != "v1" or not sig:
-        return False
-    mac = hmac.new(secret.encode(), f"{delivery_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
-    return hmac.compare_digest(base64.b64encode(mac).decode(), sig)
-
-
-class WebhookReceiver:
-    """A small HTTP endpoint for MLflow's `model_version_alias.created` webhooks.
-
-    POST any path with MLflow's headers; 401 for a missing/bad/stale signature, 400 for a body
-    that is not JSON, 204 otherwise. A verified alias event for `alias` sets `wake` (the poll
-    loop then reads the registry: the webhook's content is never trusted as state).
-    """
-
-    def __init__(self, host: str, port: int, secret: str, wake: threading.Event, alias: str | None = None):
-        if not secret:
-            raise UsageError("webhook receiver needs a secret (the one given to MLflow's create_webhook)")
-        self.secret, self.wake, self.alias = secret, wake, alias
-        self.received: list[dict] = []
-        recv = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                ok = verify_signature(
-                    recv.secret,
-                    self.headers.get(DELIVERY_HEADER, ""),
-                    self.headers.get(TIMESTAMP_HEADER, ""),
-                    body,
-                    self.headers.get(SIGNATURE_HEADER, ""),
-                )
-                if not ok:
-                    self.send_response(401)
-                    self.end_headers()
-                    return
-                try:
-                    msg = json.loads(body)
-                except json.JSONDecodeError:
-                    self.send_response(400)
-                    self.end_headers()
-                    return
-                recv.received.append(msg)
-                data = msg.get("data") or {}
-                if msg.get("entity") == "model_version_alias" and (
-                    recv.alias is None or data.get("alias") == recv.alias
-                ):
-                    recv.wake.set()
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *a):  # quiet
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.url = f"http://{host}:{self.server.server_address[1]}/"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
-from pipeline.redact import redact, redact_uri
+from pipeline.redact import quiet_third_party, redact, redact_uri
 
 # MLflow's HTTP client retries 7 times with backoff factor 2 (~4 minutes) by default; a pipeline
 # command should fail within seconds. The user's environment still wins.
@@ -72,13 +72,17 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
         return
     if path.is_dir():
         raise StoreError(f"the MLflow database {path} is a directory, not a sqlite file")
+    if not os.access(path, os.R_OK):
+        raise StoreError(f"the MLflow database {path} {_owner_hint(path, 'read')}")
     if write and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
         # sqlite takes its locks on a read-only file without complaint; the first write fails later,
         # after a publish may already have moved the volume: refuse before anything is written
         raise StoreError(
-            f"the MLflow database {path} (or its directory, for sqlite's journal) is read-only here: "
-            f"make it writable, or point MLFLOW_TRACKING_URI at a writable store"
+            f"the MLflow database {path} (or its directory, for sqlite's journal) "
+            + _owner_hint(path, "write")
         )
+    if not write:
+        recover_hot_journal(path, timeout_s)
     try:
         conn = sqlite3.connect(f"file:{path}?mode={'rw' if write else 'ro'}", uri=True, timeout=timeout_s)
     except sqlite3.Error as e:
@@ -99,6 +103,67 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
         raise StoreError(f"the MLflow database {path} cannot be used: {e}") from e
     except sqlite3.DatabaseError as e:
         raise StoreError(f"{path} is not an MLflow sqlite database ({e}); check MLFLOW_TRACKING_URI") from e
+    finally:
+        conn.close()
+
+
+def _owner_hint(path: Path, what: str) -> str:
+    """`cannot be read/written by this user ...` with the fix that fits: run as its owner, or make it writable."""
+    try:
+        owner = path.stat().st_uid
+    except OSError:
+        owner = None
+    me = os.geteuid()
+    if owner is not None and owner != me:
+        return (
+            f"cannot be {'read' if what == 'read' else 'written'} by this user (uid {me}); it belongs to "
+            f"uid {owner}: run the command as that user (the registry is the operator's alone)"
+        )
+    return (
+        f"is {'unreadable' if what == 'read' else 'read-only'} here: make it "
+        f"{'readable' if what == 'read' else 'writable'} (chmod u+rw, and u+w on its directory), "
+        "or point MLFLOW_TRACKING_URI at another store"
+    )
+
+
+def recover_hot_journal(path: Path, timeout_s: float) -> None:
+    """Roll back what a killed writer left (`<db>-journal`, a "hot journal"), so that readers can read.
+
+    A reader opens the database read-only, and sqlite must roll a hot journal back before anyone
+    reads, which a read-only connection cannot do ("attempt to write a readonly database"). A user
+    who may write the file does it here with one read-write connection (sqlite's own recovery,
+    under its locks; https://www.sqlite.org/atomiccommit.html#hot_rollback_journals); any other
+    user gets a StoreError saying who must run what. No journal: nothing happens.
+    """
+    journal = Path(f"{path}-journal")
+    try:
+        if journal.stat().st_size == 0:
+            return
+    except OSError:
+        return
+    probe = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
+    try:
+        probe.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return  # a live writer's journal (it holds the lock), or already rolled back
+    except sqlite3.OperationalError as e:
+        if "readonly" not in str(e) and "read-only" not in str(e):
+            return  # locked, busy...: the caller's checks say so
+    finally:
+        probe.close()
+    if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+        raise StoreError(
+            f"the MLflow database {path} has a hot journal ({journal}): a writer was killed mid-commit, and "
+            f"sqlite must roll that back before anyone can read. This user (uid {os.geteuid()}) cannot: run "
+            f"any pipeline command (e.g. `pipeline status`) once as the store's owner (uid {path.stat().st_uid}), "
+            f"or `sqlite3 {path} 'PRAGMA integrity_check'` as that user"
+        )
+    conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout_s)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # sqlite rolls the journal back
+    except sqlite3.Error as e:
+        raise StoreError(
+            f"the MLflow database {path}: rolling back its hot journal {journal} failed: {e}"
+        ) from e
     finally:
         conn.close()
 
@@ -207,6 +272,8 @@ def mlflow_for(cfg: ProjectConfig):
     import mlflow
     from filelock import FileLock
 
+    quiet_third_party()  # MLflow just configured its loggers: at the CLI's default level, quiet again
+
     # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI, which `ProjectConfig.tracking_uri`
     # prefers over the config file: the next config in this process (or any child, e.g. a test's
     # `pipeline register`) would silently use this store. Keep the environment as it was.
@@ -230,7 +297,27 @@ def mlflow_for(cfg: ProjectConfig):
                 marker.write_text(uri + "\n")
     elif uri.startswith("sqlite:") and (p := _sqlite_path(uri)) is not None and not p.exists():
         raise StoreError(f"the MLflow database {p} disappeared while this command ran")
+    keep_private(cfg)
     return mlflow
+
+
+def keep_private(cfg: ProjectConfig) -> None:
+    """The embedded store is the operator's: the sqlite file 0600 and the artifact store 0700.
+
+    Created with the umask (0644, 0755), any local user could read every version, tag and artifact
+    straight from disk, past the UI's login (pipeline.registry.ui). Only files this user owns are
+    changed; a store configured elsewhere (a server, PostgreSQL, S3) keeps its own access rules.
+    """
+    for path, mode in (
+        (cfg.embedded_store, 0o600),
+        (cfg.artifact_root if cfg.embedded_store else None, 0o700),
+    ):
+        try:
+            st = os.lstat(path) if path is not None else None
+        except OSError:
+            continue
+        if st is not None and st.st_uid == os.geteuid() and (st.st_mode & 0o777) & ~mode:
+            os.chmod(path, (st.st_mode & 0o777) & mode)
 
 
 def store_identity(cfg: ProjectConfig) -> dict:

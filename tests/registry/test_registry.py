@@ -271,7 +271,7 @@ def test_follow_alias_catches_up_after_downtime_and_skips_failing_versions(
 def test_webhook_wakes_the_follower_and_bad_signatures_are_refused(registry_project, two_adapters, tiny_base):
     from mlflow.webhooks.delivery import _generate_hmac_signature  # MLflow's own signing
 
-    from pipeline.jobs.follow import WebhookReceiver
+    from pipeline.jobs.webhook import WebhookReceiver
     from pipeline.release.publish import publish
 
     cfg = registry_project
@@ -293,12 +293,19 @@ def test_webhook_wakes_the_follower_and_bad_signatures_are_refused(registry_proj
 
         def post(sig=None, ts=None, payload=body):
             ts = ts or str(int(time.time()))
-            sig = sig or _generate_hmac_signature(secret, "d1", ts, payload)
+            delivery = str(
+                uuid.uuid4()
+            )  # a new id per delivery, as MLflow sends (a repeated one is a replay)
+            sig = sig or _generate_hmac_signature(secret, delivery, ts, payload)
             return httpx.post(
                 hook.url,
                 content=payload,
                 timeout=10,
-                headers={"X-MLflow-Signature": sig, "X-MLflow-Delivery-Id": "d1", "X-MLflow-Timestamp": ts},
+                headers={
+                    "X-MLflow-Signature": sig,
+                    "X-MLflow-Delivery-Id": delivery,
+                    "X-MLflow-Timestamp": ts,
+                },
             )
 
         assert post(sig="v1,AAAA").status_code == 401

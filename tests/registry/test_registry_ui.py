@@ -55,7 +55,11 @@ def test_model_version_page_shows_production_alias_tags_and_source_run(trained, 
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
             try:
-                page = browser.new_page(viewport={"width": 1500, "height": 1400})
+                c = server.credentials  # the UI's login (MLflow's basic-auth app)
+                page = browser.new_context(
+                    viewport={"width": 1500, "height": 1400},
+                    http_credentials={"username": c.username, "password": c.password},
+                ).new_page()
                 page.goto(ui.model_url(server.url, name, reg.version))
                 page.get_by_text(run_name).first.wait_for(timeout=90_000)  # source run link
                 body = page.locator("body")

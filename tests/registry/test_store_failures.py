@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -235,3 +236,172 @@ def test_status_reads_while_another_process_writes(tmp_path):
         other.execute("ROLLBACK")
         other.close()
     assert r.exit_code == 0, r.output
+
+
+# -- issue 30 kind 8: other programs' tracebacks and states ----------------------------------------------
+_MID_TRANSACTION = r"""
+import sqlite3, sys
+from pipeline.release import transaction
+from pipeline.cli import app
+
+db, how = sys.argv[1], sys.argv[2]
+
+def hook(point):  # the store check has passed; the store breaks before MLflow's next query
+    if point == "after-intent":
+        c = sqlite3.connect(db, isolation_level=None)
+        if how == "locked":
+            c.execute("BEGIN EXCLUSIVE")  # held until the process ends
+            hook.keep = c
+        else:
+            c.execute("DROP TABLE registered_model_aliases")
+            c.close()
+
+transaction.hook = hook
+sys.exit(app(sys.argv[3:], prog_name="pipeline"))
+"""
+
+
+def _mid_transaction(cfg, how: str, *args):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO
+
+    env = {**os.environ, "PIPELINE_CONFIG": str(cfg.source), "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-c", _MID_TRANSACTION, str(cfg.state_dir / "mlflow.db"), how, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+
+
+def test_mlflow_logs_no_traceback_when_the_store_fails_mid_transaction(tmp_path, release_adapters):
+    """The issue's instance (a store locked mid-transaction) takes MLflow's 20 s sqlite busy timeout to
+    fail; a store broken mid-transaction fails at once through the same MLflow code
+    (mlflow/store/db/utils.py, `_logger.exception` on OperationalError): two tracebacks, then our
+    clean error. Now the clean error alone; `--verbose` still shows MLflow's log."""
+    cfg = new_project(tmp_path)
+    register_versions(cfg, "agent", release_adapters, 1)
+    r = _mid_transaction(cfg, "broken", "publish", "agent", "--version", "1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().startswith("error: the MLflow store") and "no such table" in r.stderr
+
+
+def test_a_third_party_logger_prints_its_message_without_traceback(capfd):
+    """Sibling: any library logging an exception through a logger without handlers (Python's last-resort
+    handler printed message and traceback)."""
+    import logging
+
+    from pipeline.cli._common import setup_logging
+    from pipeline.redact import quiet_third_party
+
+    def log_one():
+        try:
+            raise RuntimeError("inner")
+        except RuntimeError:
+            logging.getLogger("somelib.pool").exception("connection pool failed")
+        return capfd.readouterr().err
+
+    setup_logging()
+    try:
+        err = log_one()
+        assert "connection pool failed" in err and "Traceback" not in err
+        logging.getLogger("mlflow.store.db.utils").exception("SQLAlchemy database error")
+        assert capfd.readouterr().err == ""  # MLflow's own loggers: CRITICAL at the default level
+        setup_logging(verbose=True)  # nothing is lost: `--verbose` keeps the traceback
+        seen = []
+        keep = logging.Handler()
+        keep.emit = seen.append
+        logging.getLogger("somelib").addHandler(keep)
+        log_one()
+        logging.getLogger("somelib").removeHandler(keep)
+        assert seen and seen[0].exc_info is not None
+    finally:
+        quiet_third_party(False)
+
+
+def _hot_journal(db):
+    """SIGKILL a writer of `db` mid-commit: its rollback journal is left behind, hot."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sqlite3, sys\n"
+        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "c.execute('PRAGMA cache_size=5'); c.execute('BEGIN IMMEDIATE'); c.execute('CREATE TABLE pad(x)')\n"
+        "for i in range(3000): c.execute('INSERT INTO pad VALUES (?)', ('x' * 500,))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(db)], timeout=60)
+    assert (db.parent / f"{db.name}-journal").stat().st_size > 0
+
+
+def test_readers_handle_the_hot_journal_of_a_killed_writer(tmp_path, release_adapters):
+    """The issue's instance: after a writer was killed mid-commit, read-only commands failed with
+    'database is read-only here' (and a wrong fix). The reader rolls the journal back and reads."""
+    cfg = new_project(tmp_path)
+    register_versions(cfg, "agent", release_adapters, 1)
+    forget_mlflow_engines()
+    db = cfg.state_dir / "mlflow.db"
+    _hot_journal(db)
+    for args in (["status", "--json"], ["fleet", "status"]):
+        store._checked.clear()
+        r = _cli(cfg, *args)
+        assert r.exit_code in (0, 4) and "read-only" not in r.output and "Traceback" not in r.output, r.output
+    assert not (db.parent / "mlflow.db-journal").exists()
+    assert '"name": "agent"' in _cli(cfg, "status", "--json").output
+
+
+def test_a_reader_that_cannot_roll_back_is_told_who_must(tmp_path, release_adapters):
+    """Sibling: the same journal met by another user (who may read, not write): one error naming the
+    journal and what the store's owner runs, not 'read-only here: make it writable'."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("switching to user nobody needs root and setpriv (util-linux)")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="pipeline-hot-journal.", dir="/tmp"))  # traversable by nobody
+    root = base / "shared"
+    cfg = new_project(root)
+    register_versions(cfg, "agent", release_adapters, 1)
+    forget_mlflow_engines()
+    db = cfg.state_dir / "mlflow.db"
+    _hot_journal(db)
+    for p in (base, root, cfg.state_dir):
+        p.chmod(0o755)
+    db.chmod(0o644)  # readable by others (a shared read-only store), writable by its owner only
+    (db.parent / "mlflow.db-journal").chmod(0o644)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": "/tmp",
+        "PYTHONPATH": str(REPO),
+        "PIPELINE_CONFIG": str(cfg.source),
+    }
+    r = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "pipeline",
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    shutil.rmtree(base)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "hot journal" in r.stderr and "as the store's owner (uid 0)" in r.stderr, r.stderr

@@ -3,6 +3,7 @@ reads what the server serves. Real `mlflow server` processes (slow: each start t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -70,7 +71,7 @@ def _ui_url(proc: subprocess.Popen) -> str:
 HOW = (signal.SIGTERM, signal.SIGKILL, signal.SIGHUP)
 
 
-def test_server_dies_with_pipeline_ui(registry_project, two_adapters, tiny_base):
+def test_server_dies_with_pipeline_ui(registry_project, two_adapters, tiny_base, monkeypatch):
     """One `pipeline ui` per way it can end, started together (each server start is the slow part)."""
     cfg = registry_project
     name = f"ui-{uuid.uuid4().hex[:6]}"
@@ -81,7 +82,10 @@ def test_server_dies_with_pipeline_ui(registry_project, two_adapters, tiny_base)
         kids = {how: _descendants(p.pid) for how, p in procs.items()}
         for how in HOW:
             assert len(kids[how]) >= 2, kids  # the guard and the server (and its workers)
-        # the REST reader reads what the sqlite file holds
+        # the REST reader reads what the sqlite file holds, with the UI's login (pipeline.registry.ui)
+        login = json.loads((cfg.state_dir / "ui-credentials.json").read_text())
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", login["username"])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", login["password"])
         rest = {m.name: m for m in read_rest(urls[signal.SIGTERM], [name])}
         local = {m.name: m for m in read_sqlite(cfg.state_dir / "mlflow.db", [name])}
         assert rest[name].aliases == local[name].aliases
