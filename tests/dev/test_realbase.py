@@ -143,13 +143,20 @@ def test_served_base_from_a_real_base(tmp_path):
         tmp_path / "b", 8, text_overrides=SMALL_TEXT, vision_overrides=SMALL_VISION, shard_gb=0.004
     )
     out = tmp_path / "served"
-    r = CliRunner().invoke(
-        app, ["dev", "served-base", str(src), str(out), "--device", "cpu", "--shard-gb", "0.002"]
+    calib = tmp_path / "calib.jsonl"  # one short conversation keeps the test cheap
+    calib.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "What is the weather in Tokyo?"}]}) + "\n"
     )
+    args = ["--device", "cpu", "--shard-gb", "0.002", "--calib-data", str(calib), "--max-seq-len", "16"]
+    r = CliRunner().invoke(app, ["dev", "served-base", str(src), str(out), *args])
     assert r.exit_code == 0, r.output
     ck = read_checkpoint(out)
     man = json.loads((out / "manifest.json").read_text())
     assert man["kind"] == "served-checkpoint" and man["quantization"]["mtp_tensors"] == 15
+    assert (
+        man["quantization"]["calibration"]["samples"] == 1
+        and man["quantization"]["calibration"]["tokens"] <= 16
+    )
     assert ck.config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and ck.layout == "vl"
     packed = {m.rsplit(".", 1)[-1] for m, t in ck.modules.items() if t.dtype == "U8"}
     assert packed == {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"} | {
