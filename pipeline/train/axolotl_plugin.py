@@ -9,6 +9,12 @@ Before the model loads it also gives `Qwen3_5ForConditionalGeneration` (the clas
 Qwen3.6-27B config loads) the fused linear cross-entropy that axolotl's Liger integration applies
 to `Qwen3_5ForCausalLM` only, when the config sets `liger_fused_linear_cross_entropy: true`
 (pipeline.train.fused_loss): the 248,320-wide logits are never materialised.
+
+With `sample_packing` or `eval_sample_packing` on a Qwen3.5-family model it patches the
+Gated-DeltaNet, decoder and text-model forwards so that packed samples stay independent
+(pipeline.train.packing: conv window and recurrent state reset at every boundary, positions
+restart per sample, full attention isolated). It runs after axolotl's own patches (axolotl calls
+plugins' `pre_model_load` after its patch manager), so it replaces axolotl's packing forward.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import time
 from axolotl.integrations.base import BasePlugin
 from transformers import TrainerCallback
 
+from pipeline.train import packing
 from pipeline.train.fused_loss import patch_vl_fused_cross_entropy
 
 METRICS_ENV = "PIPELINE_METRICS_FILE"
@@ -75,9 +82,20 @@ VL_FUSED_CE_TYPES = ("qwen3_5",)
 
 
 class PipelinePlugin(BasePlugin):
-    """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set; fused CE for the Qwen3.5 VL class."""
+    """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set; fused CE for the Qwen3.5 VL class;
+    exact packing for the Qwen3.5 family."""
 
     def pre_model_load(self, cfg):
+        if (cfg.sample_packing or cfg.eval_sample_packing) and cfg.model_config_type in packing.FAMILIES:
+            packing.apply(cfg.model_config_type)
+            import torch
+
+            kernels = packing.kernels_for("cuda" if torch.cuda.is_available() else "cpu")
+            print(
+                f"pipeline: exact sample packing for {cfg.model_config_type} (conv and recurrent state reset "
+                f"at every packed-sample boundary, {kernels} kernels; pipeline.train.packing)",
+                flush=True,
+            )
         if cfg.liger_fused_linear_cross_entropy and cfg.model_config_type in VL_FUSED_CE_TYPES:
             patch_vl_fused_cross_entropy()
             print(

@@ -1,13 +1,14 @@
 """Checks that need the base model's geometry and the GPU, before axolotl starts.
 
-- Sample packing on Gated-DeltaNet models (Qwen3.5/3.6, Qwen3-Next): with packed rows the
-  recurrent and causal-conv state of one sample flows into the next unless the varlen kernels
-  get the sample boundaries (`cu_seqlens`), silently (public reports: NVIDIA-NeMo/Automodel#2131,
-  huggingface/transformers#46093, modelscope/ms-swift#9618; docs/training.md). axolotl 0.19 passes
-  them only through its own patch (`axolotl.monkeypatch.models.qwen3_5.modeling`), which it
-  applies only with `sample_packing: true` and which needs flash-linear-attention's varlen
-  `causal_conv1d` and `chunk_gated_delta_rule` (Triton kernels: a CUDA GPU). `packing_problems`
-  refuses packing unless all of that holds.
+- Sample packing on Gated-DeltaNet models (Qwen3.5/3.6, Qwen3-Next): in a packed row the
+  recurrent and causal-conv state of one sample flows into the next unless the kernels get the
+  sample boundaries, silently (public reports: NVIDIA-NeMo/Automodel#2131,
+  huggingface/transformers#46093, modelscope/ms-swift#9618; docs/training.md). The pipeline's
+  axolotl plugin patches the Qwen3.5 family so that every boundary resets them
+  (`pipeline.train.packing`): on a CUDA GPU through flash-linear-attention's varlen kernels, on
+  CPU through its torch reference. `packing_problems` refuses packing where that patch cannot run:
+  a family it does not cover (qwen3_next), or a GPU without fla's varlen kernels (or, on Hopper,
+  without what fla's backward needs there: Triton >= 3.7.1 or tilelang).
 - Materialised logits: a causal LM without a fused loss keeps the [batch, seq, vocab] logits
   (~10 bytes per element in training, pipeline.train.fused_loss.LOGIT_BYTES_PER_ELEMENT);
   `logits_memory_problem` estimates that plus the bf16 weights against the detected GPU.
@@ -25,15 +26,10 @@ from pathlib import Path
 from pipeline.artifacts.bounded import MIB, load_json_file
 from pipeline.train.config import TrainingConfig
 from pipeline.train.fused_loss import LOGIT_BYTES_PER_ELEMENT
+from pipeline.train.packing import FAMILIES as PACKED_FAMILIES
 
 # model_type values (config.json) of the Gated-DeltaNet hybrids
 GDN_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-# axolotl's packing patch per family: (module file under the axolotl package, function it must define)
-_AXOLOTL_PACKING_PATCH = {
-    "qwen3_5": ("monkeypatch/models/qwen3_5/modeling.py", "def patch_qwen3_5_modeling_packing"),
-    "qwen3_5_moe": ("monkeypatch/models/qwen3_5/modeling.py", "def patch_qwen3_5_moe_modeling_packing"),
-    "qwen3_next": ("monkeypatch/models/qwen3_next/modeling.py", "def patch_qwen3_next_modeling_packing"),
-}
 HOPPER = ("H100", "H200", "H800", "H20", "GH200")
 FUSED_LOSS_PLUGINS = {
     "axolotl.integrations.liger.LigerPlugin": "liger_fused_linear_cross_entropy",
@@ -133,43 +129,51 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def varlen_gdn_missing(family: str, gpus: list[Gpu], triton: str | None = "detect") -> list[str]:
-    """What keeps axolotl's varlen Gated-DeltaNet path from running correctly here ([] = it is active).
-
-    Looks at installed files only (nothing is imported): flash-linear-attention's varlen
-    `causal_conv1d` and `chunk_gated_delta_rule`, axolotl's packing patch for `family`, a CUDA GPU,
-    and on Hopper (H100/H200/H800/H20) Triton >= 3.7.1: with Triton 3.6 (fla 0.6.0 + tilelang 0.1.15,
-    axolotl 0.19, transformers 5.17) the packed path was measured wrong on an H200 (per-sample
-    loss up to 1.9e-2 off for every sample after the first in a row; benchmarks/RESULTS.md).
-    `triton`: the Triton version to judge ("detect": the installed one).
-    """
-    missing = []
+def _fla_varlen_installed() -> bool:
+    """flash-linear-attention's varlen chunked delta rule and causal conv are on disk (nothing imported):
+    fla 0.6.0 `fla/modules/causal_conv1d/`, 0.4.1-0.5.x `fla/modules/convolution.py`, older `conv/`."""
     fla = _package_dir("fla")
-    conv = fla / "modules" / "convolution" if fla else None
-    if (
-        fla is None
-        or not (fla / "ops" / "gated_delta_rule").is_dir()
-        or not (conv.is_dir() or conv.with_suffix(".py").is_file() or (fla / "modules" / "conv").exists())
-    ):
-        missing.append("flash-linear-attention (fla) with varlen causal_conv1d and chunk_gated_delta_rule")
-    key = family.removesuffix("_text")
-    patch = _AXOLOTL_PACKING_PATCH.get(key)
-    axo = _package_dir("axolotl")
-    if (
-        patch is None
-        or axo is None
-        or not (axo / patch[0]).is_file()
-        or patch[1] not in (axo / patch[0]).read_text()
-    ):
-        missing.append(f"axolotl's packing patch for {family} (axolotl/{patch[0] if patch else '?'})")
+    if fla is None or not (fla / "ops" / "gated_delta_rule").is_dir():
+        return False
+    mods = fla / "modules"
+    return any(
+        (mods / n).is_dir() or (mods / f"{n}.py").is_file() for n in ("causal_conv1d", "convolution", "conv")
+    )
+
+
+def varlen_gdn_missing(
+    family: str, gpus: list[Gpu], triton: str | None = "detect", tilelang: bool | None = None
+) -> list[str]:
+    """What keeps exact packing (pipeline.train.packing) from running here ([] = it runs).
+
+    Looks at installed files only (nothing is imported): the family must be one the pipeline's
+    patch covers (`pipeline.train.packing.FAMILIES`); with a CUDA GPU, flash-linear-attention's
+    varlen kernels must be installed (without them every packed sample would run the torch
+    reference loop: exact but ~3x slower than fla, benchmarks/RESULTS.md), and on Hopper
+    (H100/H200/H800/H20) Triton >= 3.7.1 or `tilelang` (fla refuses its Triton backward there
+    otherwise: "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results"). Without a
+    GPU the torch reference runs (CPU tests and small runs). `triton`: the Triton version to judge
+    ("detect": installed); `tilelang`: whether tilelang is installed (None: detect).
+    """
+    if family.removesuffix("_text") not in {f.removesuffix("_text") for f in PACKED_FAMILIES}:
+        return [
+            f"exact packing for {family} (the pipeline's packing patch, pipeline/train/packing.py, covers "
+            f"{', '.join(sorted({f.removesuffix('_text') for f in PACKED_FAMILIES}))})"
+        ]
     if not gpus:
-        missing.append("a CUDA GPU (fla's kernels are Triton GPU kernels; nvidia-smi finds none)")
-    triton = installed_version("triton") if triton == "detect" else triton
-    hopper = [g.name for g in gpus if any(h in g.name for h in HOPPER)]
-    if hopper and triton and _version_tuple(triton) < (3, 7, 1):
+        return []
+    missing = []
+    if not _fla_varlen_installed():
         missing.append(
-            f"Triton >= 3.7.1 on {hopper[0]} (Triton {triton} here: the packed fla/tilelang path gave wrong "
-            "per-sample losses on an H200, benchmarks/RESULTS.md)"
+            "flash-linear-attention (fla) with its varlen causal_conv1d and chunk_gated_delta_rule on this GPU host"
+        )
+    triton = installed_version("triton") if triton == "detect" else triton
+    tilelang = installed_version("tilelang") is not None if tilelang is None else tilelang
+    hopper = [g.name for g in gpus if any(h in g.name for h in HOPPER)]
+    if hopper and triton and _version_tuple(triton) < (3, 7, 1) and not tilelang:
+        missing.append(
+            f"Triton >= 3.7.1 or tilelang on {hopper[0]} (Triton {triton} here: fla refuses its Gated-DeltaNet "
+            "backward on Hopper with Triton < 3.7.1 unless tilelang is installed)"
         )
     return missing
 
@@ -178,29 +182,18 @@ def packing_problems(tc: TrainingConfig, gpus: list[Gpu]) -> list[str]:
     """Messages refusing sample packing that would leak state across samples ([] = fine)."""
     d = tc.data
     family = model_family(tc)
-    if family not in GDN_MODEL_TYPES:
+    if family not in GDN_MODEL_TYPES or not (d.get("sample_packing") or d.get("eval_sample_packing")):
         return []
-    train_pack = bool(d.get("sample_packing"))
-    eval_pack = d.get("eval_sample_packing")
-    eval_pack = train_pack if eval_pack is None else bool(eval_pack)
-    where = str(tc.path)
-    out = []
-    if eval_pack and not train_pack:
-        out.append(
-            f"{where}: eval_sample_packing: true without sample_packing on a Gated-DeltaNet model ({family}): "
-            "axolotl applies its varlen (cu_seqlens) patch only when sample_packing is on, so packed eval rows "
-            "would leak recurrent/conv state between samples; set eval_sample_packing: false"
-        )
-    if train_pack:
-        missing = varlen_gdn_missing(family, gpus)
-        if missing:
-            out.append(
-                f"{where}: sample_packing on a Gated-DeltaNet model ({family}) needs the varlen kernel path, "
-                f"else recurrent and conv state leaks from one packed sample into the next without an error; "
-                f"missing here: {'; '.join(missing)}. Set sample_packing: false (and eval_sample_packing: false) "
-                "or install flash-linear-attention on a GPU host"
-            )
-    return out
+    missing = varlen_gdn_missing(family, gpus)
+    if not missing:
+        return []
+    which = "sample_packing" if d.get("sample_packing") else "eval_sample_packing"
+    return [
+        f"{tc.path}: {which} on a Gated-DeltaNet model ({family}) needs the kernels' sample boundaries, "
+        f"else recurrent and conv state leaks from one packed sample into the next without an error; "
+        f"missing here: {'; '.join(missing)}. Set sample_packing: false and eval_sample_packing: false, "
+        "or install what is missing"
+    ]
 
 
 def fused_loss_active(tc: TrainingConfig) -> bool:

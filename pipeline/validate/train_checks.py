@@ -137,8 +137,9 @@ def unpinned_base(ctx: TrainFacts):
 @check(
     "train.sample_packing",
     "error",
-    "`sample_packing` (or eval packing) on a Gated-DeltaNet model (qwen3_5, "
-    "qwen3_next) without axolotl's varlen kernel path: recurrent/conv state leaks across packed samples "
+    "`sample_packing` (or eval packing) on a Gated-DeltaNet model where the pipeline's exact-packing patch "
+    "cannot run (a family it does not cover, e.g. qwen3_next; a GPU without fla's varlen kernels): "
+    "recurrent/conv state would leak across packed samples "
     "(facts: `pipeline.train.preflight.packing_problems`, which needs the GPUs)",
     scopes=("train",),
 )

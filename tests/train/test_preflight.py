@@ -43,31 +43,36 @@ def test_family_from_config_or_class(base27b, tmp_path):
     assert packing_problems(tc, []) == []
 
 
-def test_packing_refused_without_the_varlen_path(base27b):
-    tc = load_training_config(PROD, [f"base_model={base27b}", "sample_packing=true"])
-    # this machine has no GPU: axolotl applies its cu_seqlens patch only on CUDA, fla is GPU-only
-    (msg,) = packing_problems(tc, [])
-    assert "sample_packing" in msg and "a CUDA GPU" in msg and "leaks" in msg
-    # eval packing alone is never patched by axolotl
+def test_packing_allowed_where_the_exact_patch_runs(base27b):
+    """pipeline.train.packing covers qwen3_5 (text and VL) and qwen3_5_moe: on CPU through its torch
+    reference, on a GPU through fla's varlen kernels (installed here with axolotl 0.19)."""
+    for flag in ("sample_packing", "eval_sample_packing"):
+        tc = load_training_config(PROD, [f"base_model={base27b}", f"{flag}=true"])
+        assert packing_problems(tc, []) == []
+        assert packing_problems(tc, [A100]) == []
+    assert varlen_gdn_missing("qwen3_5_text", []) == []
+    assert varlen_gdn_missing("qwen3_5_moe", [H200], triton="3.7.1") == []
+    assert varlen_gdn_missing("qwen3_5", [H200], triton="3.6.0", tilelang=True) == []
+
+
+def test_packing_refused_where_it_cannot_be_exact(base27b, tmp_path, monkeypatch):
+    # a family the patch does not cover: qwen3_next (its fused in_proj_qkvz layer)
+    nxt = tmp_path / "next"
+    nxt.mkdir()
+    (nxt / "config.json").write_text('{"model_type": "qwen3_next"}')
+    (msg,) = packing_problems(load_training_config(PROD, [f"base_model={nxt}", "sample_packing=true"]), [])
+    assert "qwen3_next" in msg and "pipeline/train/packing.py" in msg and "leaks" in msg
+    # Hopper with Triton < 3.7.1 and no tilelang: fla refuses its backward there
+    (msg,) = varlen_gdn_missing("qwen3_5", [H200], triton="3.6.0", tilelang=False)
+    assert "Triton >= 3.7.1 or tilelang" in msg and "NVIDIA H200" in msg
+    # a GPU host without fla's varlen kernels
+    import pipeline.train.preflight as pf
+
+    monkeypatch.setattr(pf, "_package_dir", lambda name: None)
     tc = load_training_config(PROD, [f"base_model={base27b}", "eval_sample_packing=true"])
-    assert any("eval_sample_packing: false" in m for m in packing_problems(tc, [A100]))
-    assert packing_problems(load_training_config(PROD, [f"base_model={base27b}"]), []) == []
-
-
-def test_packing_allowed_when_the_varlen_path_is_installed(base27b):
-    # fla (installed with axolotl 0.19) and axolotl's qwen3_5 packing patch are on disk here
-    assert varlen_gdn_missing("qwen3_5", [A100]) == []
-    assert varlen_gdn_missing("qwen3_5", [H200], triton="3.7.1") == []
-    tc = load_training_config(
-        PROD, [f"base_model={base27b}", "sample_packing=true", "eval_sample_packing=false"]
-    )
-    assert packing_problems(tc, [A100]) == []
-
-
-def test_packing_refused_on_hopper_with_old_triton():
-    # measured wrong on an H200 with Triton 3.6 (benchmarks/RESULTS.md)
-    (msg,) = varlen_gdn_missing("qwen3_5", [H200], triton="3.6.0")
-    assert "Triton >= 3.7.1" in msg and "NVIDIA H200" in msg
+    (msg,) = packing_problems(tc, [A100])
+    assert "eval_sample_packing" in msg and "flash-linear-attention" in msg
+    assert packing_problems(tc, []) == []  # CPU: the torch reference needs no fla
 
 
 def test_logits_memory(base27b):
@@ -89,23 +94,26 @@ def test_detect_gpus_without_nvidia_smi(monkeypatch):
     assert detect_gpus() == []
 
 
-def test_pipeline_train_refuses_packing_before_writing(project, tiny_base, tmp_path):
+def test_pipeline_train_refuses_packing_before_writing(project, tmp_path):
     from typer.testing import CliRunner
 
     from pipeline.cli import app
 
+    base = tmp_path / "next"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "qwen3_next"}')
     res = CliRunner().invoke(
         app,
         [
             "train",
             str(REPO / "axolotl_configs/tiny-cpu.yml"),
             "--set",
-            f"base_model={tiny_base}",
+            f"base_model={base}",
             "--set",
             "sample_packing=true",
             "--no-progress",
         ],
     )
     assert res.exit_code == 1, res.output
-    assert "sample_packing on a Gated-DeltaNet model (qwen3_5_text)" in res.output
+    assert "sample_packing on a Gated-DeltaNet model (qwen3_next)" in res.output
     assert not project.train.runs_dir.exists() or not any(project.train.runs_dir.iterdir())

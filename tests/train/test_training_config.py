@@ -59,7 +59,15 @@ TRAIN_CASES = [
     ("config.init", ["peft_init_lora_weights=lora_ga"], "lora_ga_init"),
     ("tokenizer.added_tokens", ["special_tokens={eos_token: '<|newtok|>'}"], "<|newtok|>"),
     ("tokenizer.added_tokens", ["tokens=['<my_tool>']"], "<my_tool>"),
-    ("train.sample_packing", ["sample_packing=true"], "Gated-DeltaNet"),
+    (  # a family pipeline.train.packing does not cover (hub id: the family comes from model_type)
+        "train.sample_packing",
+        [
+            "base_model=Qwen/Qwen3-Next-80B-A3B-Instruct",
+            "model_type=Qwen3NextForCausalLM",
+            "sample_packing=true",
+        ],
+        "Gated-DeltaNet",
+    ),
     ("template.divergence", ["chat_template=chatml"], "chatml"),
     ("template.divergence", ["chat_template=qwen3_5"], "qwen3_5"),
     ("template.training", ["chat_template=no_such_template"], "no_such_template"),
@@ -128,7 +136,14 @@ def test_packing_refusal_is_the_preflight_rule_under_one_id(tmp_path, tiny_base)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     tc = load_training_config(TINY, [f"base_model={tmp_path}", "sample_packing=true"])
     assert packing_problems(tc, []) == []  # not a Gated-DeltaNet model
-    gdn = load_training_config(TINY, [f"base_model={tiny_base}", "sample_packing=true"])
+    assert (
+        packing_problems(load_training_config(TINY, [f"base_model={tiny_base}", "sample_packing=true"]), [])
+        == []
+    )
+    nxt = tmp_path / "next"  # a Gated-DeltaNet family the exact-packing patch does not cover
+    nxt.mkdir()
+    (nxt / "config.json").write_text('{"model_type": "qwen3_next"}')
+    gdn = load_training_config(TINY, [f"base_model={nxt}", "sample_packing=true"])
     facts = packing_problems(gdn, [])
     ids_ = {f.id for f in training_findings(gdn, FleetRules(), packing=facts)}
     assert "train.sample_packing" in ids_
