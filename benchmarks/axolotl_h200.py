@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "axolotl_configs/qwen3.6-27b-lora.yml"
 FSDP2 = "axolotl_configs/fsdp2.yml"
@@ -70,15 +72,24 @@ def _length(tok, conv: dict) -> int:
     return len(tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=True)["input_ids"])
 
 
-def make_data(out: Path, tokenizer_dir: Path, seed: int = 0) -> dict:
-    """Write fixed_{4096,16384}.jsonl, mix.jsonl; returns {name: [token lengths]}."""
+def make_data(
+    out: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    seqs: tuple[int, ...] = (4096, 16384),
+    mix_median: int = 900,
+    mix_max: int = 4000,
+    mix_n: int = 600,
+) -> dict:
+    """Write fixed_{seq}.jsonl for each of `seqs`, mix.jsonl; returns {name: [token lengths]}."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     lengths: dict[str, list[int]] = {}
-    for seq, rows in ((4096, 48), (16384, 12)):
+    for seq in seqs:
+        rows = max(12, 48 * 4096 // seq)
         convs, lens = [], []
         target = seq - 24
         while len(convs) < rows:
@@ -92,8 +103,8 @@ def make_data(out: Path, tokenizer_dir: Path, seed: int = 0) -> dict:
         (out / f"fixed_{seq}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
         lengths[f"fixed_{seq}"] = lens
     convs, lens = [], []
-    while len(convs) < 600:
-        n = int(min(4000, max(64, math.exp(rng.gauss(math.log(900), 0.8)))))
+    while len(convs) < mix_n:
+        n = int(min(mix_max, max(64, math.exp(rng.gauss(math.log(mix_median), 0.8)))))
         c = _conversation(tok, rng, n)
         convs.append(c)
         lens.append(_length(tok, c))
@@ -140,7 +151,14 @@ def experiment(
     kind="train",
     timeout=330,
     first=False,
+    sweep=None,
+    policy_from=None,
+    drop_base=False,
 ):
+    """One `pipeline train` run (kind "train"), or the packing check; `sweep`: recompute phases measured
+    in this run (benchmarks/recompute_sweep.py); `policy_from`: take the recompute policy that
+    `best_policy` picks from that earlier sweep experiment (this plan's, or `--policy-records`);
+    `drop_base`: delete the base afterwards (the 64 GiB disk holds one 64-layer base and nothing else big)."""
     return dict(
         name=name,
         layers=layers,
@@ -155,12 +173,52 @@ def experiment(
         kind=kind,
         timeout=timeout,
         first=first,
+        sweep=sweep,
+        policy_from=policy_from,
+        drop_base=drop_base,
     )
 
 
 UNFUSED = ["liger_fused_linear_cross_entropy=false"]
 NO_CKPT = ["gradient_checkpointing=false"]
 PACK = ["sample_packing=true", "eval_sample_packing=false", "attn_implementation=sdpa"]
+CPU = [  # CPU smoke runs: the tiny text base (`smoke-base`), no Triton kernels
+    "model_type=AutoModelForCausalLM",
+    "liger_fused_linear_cross_entropy=false",
+    "bf16=false",
+    "tf32=false",
+    "liger_rms_norm=false",
+    "liger_rms_norm_gated=false",
+    "liger_glu_activation=false",
+    "lora_mlp_kernel=false",
+    "lora_qkv_kernel=false",
+    "lora_o_kernel=false",
+]
+# Recompute policies of the shipped config, one phase each (benchmarks/recompute_sweep.py). 64 layers
+# = 48 linear_attention + 16 full_attention; every_n_layers k checkpoints layers with index % k == 0.
+SWEEP = [
+    dict(name="warmup", every_n_layers=1, steps=2),  # compile (tilelang/Triton) lands here
+    dict(name="full", every_n_layers=1, steps=3),  # the shipped policy so far: every layer recomputed
+    dict(name="full+fla_gdn", every_n_layers=1, fla_gdn=True, steps=3),
+    dict(name="linear_attention_only", every_n_layers=1, types=["linear_attention"], fla_gdn="best", steps=3),
+    dict(name="full_attention_only", every_n_layers=1, types=["full_attention"], fla_gdn="best", steps=3),
+    dict(name="every_2", every_n_layers=2, fla_gdn="best", steps=3),
+    dict(name="every_2+offload", every_n_layers=2, offload=True, fla_gdn="best", steps=3),
+    dict(name="full+offload", every_n_layers=1, offload=True, fla_gdn="best", steps=3),
+    dict(name="none", every_n_layers=0, fla_gdn="best", steps=3),
+]
+SMOKE_SWEEP = [
+    dict(name="warmup", every_n_layers=1, steps=1),
+    dict(name="full", every_n_layers=1, steps=2),
+    dict(name="linear_attention_only", every_n_layers=1, types=["linear_attention"], steps=2),
+    dict(name="every_2", every_n_layers=2, steps=2),
+    dict(name="none", every_n_layers=0, steps=2),
+]
+SWEEP_PLUGIN = "benchmarks.recompute_sweep.SweepPlugin"
+# memory of the shipped config besides activations: the bf16 weights + ~2.3 GB (LoRA, optimizer,
+# buffers; from the full-recompute peaks 60.1 GB at 4096 and 72.2 GB at 16384, benchmarks/RESULTS.md)
+STATIC_GB_OVER_WEIGHTS = 2.3
+LIMIT_GB = 80.0
 PLANS = {
     # queue "0" and queue "1" run at the same time, one GPU each; then "01" runs alone on both GPUs.
     "call1": [
@@ -171,26 +229,70 @@ PLANS = {
         experiment("l64-s4096", 64, 4096, 7, gpu="0", timeout=420),
         experiment("l64-s16384", 64, 16384, 4, gpu="0"),
     ],
-    # CPU smoke test of this driver on a tiny-geometry base at WORK/real4 (`pipeline dev real-base` with
-    # small overrides): CPU settings, fused CE through the pipeline plugin's chunked path.
+    # CPU smoke test of this driver on a tiny-geometry base at WORK/real4 (`smoke-base`): CPU settings,
+    # fused CE through the pipeline plugin's chunked path. The train runs pack (the shipped config).
     "smoke": [
+        experiment("smoke", 4, 512, 2, sets=CPU, timeout=900),
+        experiment("smoke-unpacked", 4, 512, 2, data="mix", sets=[*CPU, "sample_packing=false"], timeout=900),
         experiment(
-            "smoke",
+            "smoke-packing-check",
             4,
-            4096,
-            2,
-            gpu="0",
-            sets=[
-                "bf16=false",
-                "tf32=false",
-                "liger_rms_norm=false",
-                "liger_rms_norm_gated=false",
-                "liger_glu_activation=false",
-                "lora_mlp_kernel=false",
-                "lora_qkv_kernel=false",
-                "lora_o_kernel=false",
-            ],
+            512,
+            0,
+            kind="packing_check",
+            sets=[*CPU, "plugins=[pipeline.train.axolotl_plugin.PipelinePlugin]"],
             timeout=900,
+        ),
+    ],
+    # the recompute sweep and the policy choice on CPU (every_n_layers/types phases; no offload: transformers 5.16)
+    "smoke-sweep": [
+        experiment(
+            "smoke-sweep",
+            4,
+            512,
+            sum(p["steps"] for p in SMOKE_SWEEP),
+            sets=[*CPU, "sample_packing=false"],
+            sweep=SMOKE_SWEEP,
+            timeout=900,
+        ),
+        experiment(
+            "smoke-best",
+            4,
+            512,
+            2,
+            sets=[*CPU, "sample_packing=false"],
+            policy_from="smoke-sweep",
+            timeout=900,
+        ),
+    ],
+    # ONE H200, call A (~8 min cold): packing check on an 8-layer base (deleted after), then the 64-layer
+    # fixed-4096 recompute sweep of the shipped config: the policies in phases of one run.
+    "h200-a": [
+        experiment("packing-check", 8, 4096, 0, kind="packing_check", timeout=300, drop_base=True),
+        experiment(
+            "l64-s4096-sweep",
+            64,
+            4096,
+            sum(p["steps"] for p in SWEEP),
+            sets=["sample_packing=false"],
+            sweep=SWEEP,
+            timeout=400,
+        ),
+    ],
+    # ONE H200, call B (~7 min cold, ~4 warm right after A): the realistic length mix at 64 layers,
+    # unpacked vs the shipped config (packed rows of 16384) with the recompute policy that call A's sweep
+    # picked for 16384 under 80 GB: its peak is the 16384 figure.
+    "h200-b": [
+        experiment("l64-mix-unpacked", 64, 16384, 8, data="mix", sets=["sample_packing=false"], timeout=300),
+        experiment(
+            "l64-mix-packed",
+            64,
+            16384,
+            6,
+            data="mix",
+            packing=True,
+            policy_from="l64-s4096-sweep",
+            timeout=260,
         ),
     ],
     "call2": [
@@ -232,15 +334,146 @@ def _wait_for(path: Path, timeout_s: float) -> bool:
     return True
 
 
-def _run_one(e: dict, work: Path, out: Path, peaks: dict, log) -> dict:
+def _weights_gb(base: Path) -> float | None:
+    idx = base / "model.safetensors.index.json"
+    try:
+        return json.loads(idx.read_text())["metadata"]["total_size"] / 1e9
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def phase_metrics(
+    phases: list[dict], steps: list[dict], base_params: int | None, peak_tflops: float | None
+) -> list[dict]:
+    """Per sweep phase: tokens/s between the logs of its first and last step (the first step of a
+    phase carries the switch), MFU (6 x base parameters x tokens/s / peak), peak GB over its steps."""
+    by_step = {x["step"]: x for x in steps if x.get("step") is not None}
+    out = []
+    for ph in phases:
+        a, b = by_step.get(ph["first_step"]), by_step.get(ph["last_step"])
+        row = {k: v for k, v in ph.items() if k != "step_end_times"}
+        if a and b and b["time"] > a["time"] and b.get("tokens/total") and a.get("tokens/total") is not None:
+            tps = (b["tokens/total"] - a["tokens/total"]) / (b["time"] - a["time"])
+            row["tokens_per_s"] = round(tps, 1)
+            if base_params and peak_tflops:
+                row["mfu"] = round(100 * 6 * base_params * tps / (peak_tflops * 1e12), 2)
+        mem = [
+            by_step[i].get("memory/max_allocated (GiB)")
+            for i in range(ph["first_step"], ph["last_step"] + 1)
+            if i in by_step and by_step[i].get("memory/max_allocated (GiB)")
+        ]
+        row["peak_gb"] = round(max(mem) * 2**30 / 1e9, 2) if mem else None
+        out.append(row)
+    return out
+
+
+def policy_sets(ph: dict) -> list[str]:
+    """The config overrides that make a sweep phase's policy the run's policy."""
+    n = int(ph.get("every_n_layers", 1))
+    if n <= 0:
+        sets = ["gradient_checkpointing=false"]
+    else:
+        kw = (
+            ["use_reentrant: true"]
+            + ([f"every_n_layers: {n}"] if n != 1 else [])
+            + (["offload: true"] if ph.get("offload") else [])
+        )
+        sets = ["gradient_checkpointing=true", "gradient_checkpointing_kwargs={" + ", ".join(kw) + "}"]
+        if ph.get("types"):
+            sets.append(f"pipeline_recompute_layer_types=[{', '.join(ph['types'])}]")
+    if ph.get("fla_gdn"):
+        sets.append("pipeline_fla_gdn=true")
+    return sets
+
+
+def best_policy(sweep: dict, seq: int, weights_gb: float | None, limit_gb: float = LIMIT_GB) -> dict:
+    """The sweep phase with the highest MFU whose peak, scaled to `seq`, stays under `limit_gb` - 1.
+
+    Scaling: activations grow linearly with the tokens of a row, so peak(seq) = static + (peak - static)
+    x seq / sweep seq, static = weights + STATIC_GB_OVER_WEIGHTS (an estimate: the run at `seq` measures it).
+    Falls back to the `full` phase when nothing is estimated to fit."""
+    static = (weights_gb or 0) + STATIC_GB_OVER_WEIGHTS
+    cands = []
+    for ph in sweep.get("phases") or []:
+        if ph["name"] == "warmup" or ph.get("mfu") is None or ph.get("peak_gb") is None:
+            continue
+        est = static + (ph["peak_gb"] - static) * seq / sweep["seq"]
+        cands.append({**ph, "est_peak_gb_at_seq": round(est, 1)})
+    fits = [c for c in cands if c["est_peak_gb_at_seq"] <= limit_gb - 1]
+    pick = (
+        max(fits, key=lambda c: c["mfu"]) if fits else next((c for c in cands if c["name"] == "full"), None)
+    )
+    return {
+        "phase": pick,
+        "sets": policy_sets(pick) if pick else [],
+        "seq": seq,
+        "limit_gb": limit_gb,
+        "candidates": cands,
+    }
+
+
+def ensure_base(work: Path, layers: int, log) -> bool:
+    """WORK/real{layers}: a random real-geometry base (`pipeline dev real-base`, drawn on the GPU), built
+    once per machine; a smoke base (`smoke-base`) must exist already."""
+    base = work / f"real{layers}"
+    with _BUILD_LOCK:  # two queues may want the same base
+        if (base / ".done").exists():
+            return True
+        return _build_base(work, base, layers, log)
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def _build_base(work: Path, base: Path, layers: int, log) -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        log(f"no base {base} (CPU: build it with `smoke-base`)")
+        return False
+    t = time.time()
+    with open(work / "logs" / f"build{layers}.log", "w") as f:
+        rc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "dev",
+                "real-base",
+                str(base),
+                "--layers",
+                str(layers),
+                "--device",
+                "cuda",
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        ).returncode
+    if rc == 0:
+        (base / ".done").touch()
+    log(f"base {base}: rc={rc} ({time.time() - t:.0f} s)")
+    return rc == 0
+
+
+def _run_one(e: dict, work: Path, out: Path, peaks: dict, log, done: dict | None = None) -> dict:
     base = work / f"real{e['layers']}"
     run_dir = work / "runs" / e["name"]
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
-    rec = {**{k: e[k] for k in ("name", "layers", "seq", "gpus", "packing")}, "sets": e["sets"]}
-    if not _wait_for(base / ".done", 420):
-        log(f"{e['name']}: no base {base}")
+    rec = {**{k: e[k] for k in ("name", "layers", "seq", "gpus", "packing")}, "sets": list(e["sets"])}
+    if not ensure_base(work, e["layers"], log):
         return {**rec, "rc": None, "error": f"base {base} not built"}
+    if e.get("policy_from"):
+        sweep = (done or {}).get(e["policy_from"])
+        if not sweep or not sweep.get("phases"):
+            log(f"{e['name']}: no sweep {e['policy_from']} to take the policy from")
+            return {**rec, "rc": None, "error": f"no sweep {e['policy_from']}"}
+        rec["policy"] = best_policy(sweep, e["seq"], _weights_gb(base))
+        rec["sets"] += rec["policy"]["sets"]
+        log(
+            f"{e['name']}: policy {rec['policy']['phase'] and rec['policy']['phase']['name']}: {rec['policy']['sets']}"
+        )
     cmd = [
         sys.executable,
         "-m",
@@ -275,8 +508,13 @@ def _run_one(e: dict, work: Path, out: Path, peaks: dict, log) -> dict:
         "--set",
         f"datasets={_ds(work / 'data' / (e['data'] + '.jsonl'))}",
     ]
-    for s in e["sets"]:
-        cmd += ["--set", s]
+    for item in rec["sets"]:
+        cmd += ["--set", item]
+    sweep_out = out / f"{e['name']}-phases.jsonl"
+    if e.get("sweep"):  # added to the config's plugins (the last --set plugins=... wins)
+        plugins = next((x.split("=", 1)[1] for x in reversed(rec["sets"]) if x.startswith("plugins=")), None)
+        listed = yaml.safe_load(plugins) if plugins else ["axolotl.integrations.liger.LigerPlugin"]
+        cmd += ["--set", f"plugins=[{', '.join([*listed, SWEEP_PLUGIN])}]"]
     if e["overlay"]:
         cmd += ["--overlay", FSDP2, "--gpus", str(e["gpus"])]
     if e["kind"] == "packing_check":
@@ -286,7 +524,10 @@ def _run_one(e: dict, work: Path, out: Path, peaks: dict, log) -> dict:
             "--base",
             str(base),
             "--out",
-            str(out / "packing_check.json"),
+            str(out / f"{e['name']}.json"),
+            "--row",
+            str(e["seq"]),
+            *[x for item in e["sets"] for x in ("--set", item)],
         ]
     devices = ",".join(e["gpu"]) if e["gpu"] != "01" else "0,1"
     peak = min(peaks[d] for d in devices.split(",") if d in peaks) if peaks else None
@@ -300,6 +541,8 @@ def _run_one(e: dict, work: Path, out: Path, peaks: dict, log) -> dict:
     )
     if peak:
         env["PIPELINE_TRAIN__PEAK_TFLOPS"] = f"{peak:.1f}"
+    if e.get("sweep"):
+        env.update(RECOMPUTE_SWEEP=json.dumps(e["sweep"]), RECOMPUTE_SWEEP_OUT=str(sweep_out))
     t0 = time.time()
     with open(logs / f"{e['name']}.log", "w") as f:
         f.write(" ".join(cmd) + "\n")
@@ -350,6 +593,24 @@ def _run_one(e: dict, work: Path, out: Path, peaks: dict, log) -> dict:
             else []
         )
         (logs / f"{e['name']}.log").open("a").write("\n--- train.log tail ---\n" + "\n".join(tail) + "\n")
+    if e.get("sweep") and sweep_out.exists():
+        phases = [json.loads(x) for x in sweep_out.read_text().splitlines() if x.strip()]
+        begin = rec.get("begin") or {}
+        rec["phases"] = phase_metrics(phases, rec.get("steps", []), begin.get("base_params"), peak)
+        for ph in rec["phases"]:
+            log(
+                f"  {ph['name']:24s} {ph.get('tokens_per_s')} tok/s  mfu {ph.get('mfu')}  peak {ph.get('peak_gb')} GB  {ph['layers']}"
+            )
+    if e["kind"] == "packing_check" and (out / f"{e['name']}.json").exists():
+        rec["packing_check"] = {
+            k: v
+            for k, v in json.loads((out / f"{e['name']}.json").read_text()).items()
+            if not isinstance(v, list)
+        }
+    if e.get("drop_base"):
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
     log(f"{e['name']}: rc={rc} {rec.get('summary')} ({rec['wall_s']} s)")
     return rec
 
@@ -364,22 +625,29 @@ def _failed_in_lora_kernels(work: Path, name: str) -> bool:
     return "Traceback" in text and ("axolotl/kernels/lora" in text or "lora_kernels" in text)
 
 
-def _run_with_fallback(e: dict, work: Path, out: Path, peaks: dict, log) -> dict:
+def _run_with_fallback(e: dict, work: Path, out: Path, peaks: dict, log, done: dict | None = None) -> dict:
     """Run; if axolotl's LoRA Triton kernels (auto-enabled on CUDA) break, rerun with them off and say so."""
     if _FALLBACK["kernels_off"] and e["kind"] == "train":
         e = {**e, "sets": e["sets"] + KERNELS_OFF}
-    rec = _run_one(e, work, out, peaks, log)
+    rec = _run_one(e, work, out, peaks, log, done)
     if rec.get("rc") not in (0, None) and e["kind"] == "train" and _failed_in_lora_kernels(work, e["name"]):
         _FALLBACK["kernels_off"] = True
         log(f"{e['name']}: axolotl's LoRA kernels failed; rerunning with them off")
         rec = {
-            **_run_one({**e, "sets": e["sets"] + KERNELS_OFF}, work, out, peaks, log),
+            **_run_one({**e, "sets": e["sets"] + KERNELS_OFF}, work, out, peaks, log, done),
             "fallback": "lora_kernels_off",
         }
     return rec
 
 
-def run_plan(plan: str, work: Path, out: Path, only: list[str] | None, deadline_s: float) -> None:
+def run_plan(
+    plan: str,
+    work: Path,
+    out: Path,
+    only: list[str] | None,
+    deadline_s: float,
+    policy_records: list[Path] = (),
+) -> None:
     peaks = json.loads((work / "peaks.json").read_text()) if (work / "peaks.json").exists() else {}
     exps = [e for e in PLANS[plan] if not only or e["name"] in only]
     records = out / "records.jsonl"
@@ -390,12 +658,23 @@ def run_plan(plan: str, work: Path, out: Path, only: list[str] | None, deadline_
         with lock:
             print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)
 
+    done: dict[str, dict] = {}
+    for path in policy_records:  # an earlier call's sweep (call B takes call A's policy)
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[r["name"]] = r
+
     def worker(queue):
         for e in queue:
-            if time.time() - t_start > deadline_s:
+            left = deadline_s - (time.time() - t_start)
+            if left <= 0:
                 log(f"{e['name']}: skipped (deadline)")
                 continue
-            rec = _run_with_fallback(e, work, out, peaks, log)
+            rec = _run_with_fallback(
+                {**e, "timeout": min(e["timeout"], left + 60)}, work, out, peaks, log, done
+            )
+            done[e["name"]] = rec
             with lock, open(records, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -558,6 +837,7 @@ def summary(out_dirs: list[Path]) -> list[dict]:
                     "sets": r["sets"],
                     "losses": [x["loss"] for x in r.get("steps", [])],
                     "grad_norms": [x["grad_norm"] for x in r.get("steps", [])],
+                    **{k: r[k] for k in ("phases", "policy", "packing_check") if r.get(k)},
                 }
             )
     return rows
@@ -569,6 +849,12 @@ def main() -> None:
     d = sub.add_parser("data")
     d.add_argument("out", type=Path)
     d.add_argument("--tokenizer", type=Path, required=True)
+    d.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    d.add_argument("--mix-median", type=int, default=900)
+    d.add_argument("--mix-max", type=int, default=4000)
+    d.add_argument("--mix-n", type=int, default=600)
+    sb = sub.add_parser("smoke-base", help="the tiny text-layout base at WORK/real4 (CPU smoke tests)")
+    sb.add_argument("--work", type=Path, required=True)
     r = sub.add_parser("run")
     r.add_argument("plan", choices=sorted(PLANS))
     r.add_argument("--work", type=Path, required=True)
@@ -576,6 +862,9 @@ def main() -> None:
     r.add_argument("--only", nargs="*")
     r.add_argument(
         "--deadline-s", type=float, default=1e9, help="start no experiment after this many seconds"
+    )
+    r.add_argument(
+        "--policy-records", type=Path, nargs="*", default=[], help="records.jsonl of an earlier call"
     )
     sub.add_parser("peaks").add_argument("--work", type=Path, required=True)
     ad = sub.add_parser("adapters")
@@ -586,14 +875,23 @@ def main() -> None:
     s.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.cmd == "data":
-        print(json.dumps({k: (min(v), max(v), len(v)) for k, v in make_data(a.out, a.tokenizer).items()}))
+        lengths = make_data(
+            a.out, a.tokenizer, seqs=tuple(a.seqs), mix_median=a.mix_median, mix_max=a.mix_max, mix_n=a.mix_n
+        )
+        print(json.dumps({k: (min(v), max(v), len(v)) for k, v in lengths.items()}))
+    elif a.cmd == "smoke-base":  # the text-layout tiny base: the VL class needs torchvision for its processor
+        from pipeline.dev.tinybase import build_tiny_base
+
+        build_tiny_base(a.work / "real4")
+        (a.work / "real4" / ".done").touch()
     elif a.cmd == "adapters":
         print(json.dumps(check_adapters(a.work, a.out))[:3000])
     elif a.cmd == "peaks":
         print(json.dumps(measure_peaks(a.work)))
     elif a.cmd == "run":
         a.out.mkdir(parents=True, exist_ok=True)
-        run_plan(a.plan, a.work, a.out, a.only, a.deadline_s)
+        (a.work / "logs").mkdir(parents=True, exist_ok=True)
+        run_plan(a.plan, a.work, a.out, a.only, a.deadline_s, a.policy_records)
     else:
         rows = summary(a.dirs)
         if a.json:
@@ -602,6 +900,17 @@ def main() -> None:
             print(
                 f"{x['name']:28s} ok={x['ok']} tok/s={x['tokens_per_s']} mfu={x['mfu']} peak={x['peak_gb']}"
             )
+            for ph in x.get("phases") or []:
+                print(
+                    f"    {ph['name']:24s} tok/s={ph.get('tokens_per_s')} mfu={ph.get('mfu')} peak={ph.get('peak_gb')} {ph['layers']}"
+                )
+            if x.get("policy"):
+                print(f"    policy for seq {x['policy']['seq']}: {x['policy']['sets']}")
+            if x.get("packing_check"):
+                pc = x["packing_check"]
+                print(f"    packing check ok={pc.get('ok')} max rel loss diff {pc.get('max_rel_diff_pipeline')} "
+                      f"(unpatched {pc.get('max_rel_diff_unpatched')}, logits {pc.get('max_logit_rel_l2_pipeline')} vs "
+                      f"{pc.get('max_logit_rel_l2_unpatched')}) grads {pc.get('grads')}")  # fmt: skip
 
 
 if __name__ == "__main__":

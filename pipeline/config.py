@@ -216,6 +216,13 @@ class TrainSection(_Section):
     peak_tflops: float | None = Field(
         None, gt=0, description="per-GPU bf16 peak for MFU; default by GPU name"
     )
+    max_dropped_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="largest share of a split's conversations or trainable tokens axolotl may drop "
+        "(too long, too short, nothing trainable) before `pipeline train` refuses (--allow dataset.dropped)",
+    )
 
 
 class RunSection(_Section):

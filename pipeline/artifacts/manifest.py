@@ -77,9 +77,25 @@ class DatasetFile(_Record):
     conversations: int | None = None
 
 
+class KeptSplit(_Record):
+    """What axolotl kept of one split (`pipeline.train.gate.SplitCount`): conversations (rows), tokens
+    (input ids) and trainable tokens (labels != -100), before and after its filters."""
+
+    split: str
+    sequence_len: int | None = None
+    conversations: int | None = None
+    kept: int | None = None
+    dropped: int | None = None
+    tokens: int | None = None
+    kept_tokens: int | None = None
+    trainable_tokens: int | None = None
+    kept_trainable_tokens: int | None = None
+
+
 class DatasetRecord(_Record):
     fingerprint: str | None = None
     files: list[DatasetFile] = Field(default_factory=list)
+    kept: list[KeptSplit] = Field(default_factory=list, description="the dataset gate's counts per split")
 
     def validation_files(self) -> list[Path]:
         """Paths of the files not used for training (role `validation`, or none recorded)."""
@@ -161,6 +177,14 @@ class PublishRecord(_Record):
     time: str | None = None
 
 
+class StrategyRecord(_Record):
+    """How a multi-process run spread over its GPUs (`pipeline.train.strategy.Choice`)."""
+
+    strategy: str
+    reason: str | None = None
+    ddp_per_gpu_gb: float | None = None
+
+
 class RegistryRef(_Record):
     name: str
     version: int
@@ -195,6 +219,7 @@ class AdapterManifest(_Manifest):
     metrics: TrainMetrics = Field(default_factory=TrainMetrics)
     mlflow_run_id: str | None = None
     gpus: int | None = None
+    strategy: StrategyRecord | None = Field(None, description="DDP or FSDP2 and why (pipeline.train.strategy)")
     # written by publish into the volume's copy
     registered_files: dict[str, str] | None = Field(None, description="`files` as registered, before publish")
     published: PublishRecord | None = None

@@ -12,6 +12,15 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import adapter_name, finite, log, project_config, resolve_error
+from pipeline.cli._training import (
+    CONTEXT,
+    DashDashCommand,
+    GpusOption,
+    LauncherOption,
+    Strategy,
+    StrategyOption,
+    launcher_args,
+)
 from pipeline.errors import LockedError, UsageError
 from pipeline.interrupt import Interrupted
 from pipeline.jobs.follow import follow_alias
@@ -21,8 +30,9 @@ from pipeline.jobs.webhook import WebhookReceiver
 app = typer.Typer()
 
 
-@app.command("run")
+@app.command("run", cls=DashDashCommand, context_settings=CONTEXT)
 def run_cmd(
+    ctx: typer.Context,
     config: Annotated[Path, typer.Argument(help="axolotl YAML")],
     name: Annotated[
         str | None, typer.Option(help="adapter name (default: config stem)", callback=adapter_name)
@@ -33,6 +43,9 @@ def run_cmd(
         list[Path], typer.Option(help="YAML merged over CONFIG, e.g. axolotl_configs/fsdp2.yml")
     ] = [],
     allow: Annotated[list[str], typer.Option(help="accept a setting the fleet refuses (check id)")] = [],
+    gpus: GpusOption = 1,
+    launcher: LauncherOption = None,
+    strategy: StrategyOption = Strategy.auto,
     locked_ok: Annotated[
         bool,
         typer.Option(
@@ -58,6 +71,10 @@ def run_cmd(
             overrides=set_,
             overlays=overlay,
             allow=set(allow),
+            gpus=gpus,
+            launcher=launcher.value if launcher else None,
+            launcher_args=launcher_args(ctx),
+            strategy=strategy.value,
             show_progress=True,  # a bar on a terminal, a progress line every 30 s otherwise
         )
     except (Exception, Interrupted) as e:

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pipeline.cli._common import JsonOption, adapter_name, emit_json, project_config
+from pipeline.cli._training import (
+    CONTEXT,
+    DashDashCommand,
+    GpusOption,
+    LauncherOption,
+    Strategy,
+    StrategyOption,
+    launcher_args,
+)
 from pipeline.train.launch import train as run_train
 
 app = typer.Typer()
 
 
-class Launcher(StrEnum):
-    python = "python"  # one device, in-process trainer
-    accelerate = "accelerate"
-    torchrun = "torchrun"
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(cls=DashDashCommand, context_settings=CONTEXT)
 def train(
     ctx: typer.Context,
     config: Annotated[Path, typer.Argument(help="axolotl YAML (axolotl_configs/...)")],
@@ -34,10 +36,9 @@ def train(
     name: Annotated[
         str | None, typer.Option(help="adapter name (default: config file stem)", callback=adapter_name)
     ] = None,
-    gpus: Annotated[int, typer.Option(min=1, help="GPUs: >1 uses axolotl's accelerate launcher")] = 1,
-    launcher: Annotated[
-        Launcher | None, typer.Option(help="axolotl's launcher (default: python for 1 GPU, else accelerate)")
-    ] = None,
+    gpus: GpusOption = 1,
+    launcher: LauncherOption = None,
+    strategy: StrategyOption = Strategy.auto,
     progress: Annotated[
         bool,
         typer.Option(
@@ -48,8 +49,9 @@ def train(
 ):
     """Train a LoRA with axolotl; leaves <run>/adapter/ with manifest.json. Args after `--` go to the launcher.
 
-    Progress and messages go to stderr; the result (adapter path, run id, losses, tokens/s) to
-    stdout, as one JSON object with `--json`.
+    After `--`: launcher options (accelerate/torchrun, e.g. multi-node rendezvous) and axolotl config
+    keys as `--key value` (checked like --set); nothing else. Progress and messages go to stderr; the
+    result (adapter path, run id, losses, tokens/s) to stdout, as one JSON object with `--json`.
     """
     res = run_train(
         project_config(),
@@ -60,10 +62,19 @@ def train(
         name=name,
         gpus=gpus,
         launcher=launcher.value if launcher else None,
-        launcher_args=list(ctx.args),
+        launcher_args=launcher_args(ctx),
+        strategy=strategy.value,
         show_progress=progress,
     )
     m = res.manifest.metrics
+    if res.adapter_dir is None:  # a worker node of a multi-node run
+        if as_json:
+            emit_json(
+                {"adapter": None, "run_dir": str(res.run_dir), "metrics": m.figures(), "seconds": round(res.seconds, 3)}
+            )
+        else:
+            typer.echo(f"worker node: trained ({res.seconds:.1f} s); node 0 writes the adapter")
+        return
     if as_json:
         emit_json(
             {

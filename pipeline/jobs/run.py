@@ -43,8 +43,7 @@ from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
 from pipeline.interrupt import Interrupted, shielded
 from pipeline.release.publish import publish
 from pipeline.release.transaction import checkpoint
-from pipeline.train.config import load_training_config
-from pipeline.train.launch import check_inputs, train
+from pipeline.train.launch import check_inputs, train, training_setup
 from pipeline.validate import validate_with_config
 
 FINGERPRINT_TAG = registry.FINGERPRINT_TAG
@@ -209,9 +208,17 @@ def run(
     overrides: list[str] = (),
     overlays: list[Path] = (),
     allow: set[str] = frozenset(),
+    gpus: int = 1,
+    launcher: str | None = None,
+    launcher_args: list[str] = (),
+    strategy: str = "auto",
     show_progress: bool = False,
 ) -> RunOutcome:
     """Fingerprint, lock, train (or resume), validate, register, gate, publish.
+
+    `gpus`, `launcher`, `launcher_args` (the arguments after `--`) and `strategy` mean what they mean
+    to `pipeline train` (pipeline.train.launch.training_setup), so a schedule that reserves N GPUs
+    trains on N; a worker node of a multi-node run is `pipeline train`'s job, not this one's.
 
     Raises:
         LockedError (exit 3): another run for this adapter holds the lock.
@@ -227,7 +234,14 @@ def run(
         name or default_name(Path(config_path).stem),
         "adapter name (--name, default: from the config file name)",
     )
-    tc = load_training_config(Path(config_path), list(overrides), list(overlays))
+    tc, plan = training_setup(
+        Path(config_path), list(overrides), list(overlays), gpus, launcher, list(launcher_args), strategy
+    )
+    if plan.node_rank > 0:
+        raise UsageError(
+            f"node rank {plan.node_rank}: run the worker nodes of a multi-node training with `pipeline train`; "
+            "`pipeline run` belongs on node 0, which registers and publishes"
+        )
     # The lock comes first, so a second concurrent run exits at once, before any slow check.
     lock_dir = cfg.state_dir / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +253,7 @@ def run(
     out = RunOutcome("failed", name, "", seconds=seconds)
     try:
         registry.check_store(cfg)  # a store that cannot be used fails now, before training
-        ds = check_inputs(cfg, tc, set(allow))
+        ds = check_inputs(cfg, tc, set(allow), world=plan.world)
         fp = training_inputs(ds.fingerprint, tc.data)["fingerprint"]
         seconds["check"] = time.time() - t0
         out.fingerprint = fp
@@ -276,6 +290,10 @@ def run(
                 overlays=list(overlays),
                 allow=set(allow),
                 name=name,
+                gpus=gpus,
+                launcher=launcher,
+                launcher_args=list(launcher_args),
+                strategy=strategy,
                 show_progress=show_progress,
                 run_dir=run_dir,
             ).adapter_dir

@@ -217,6 +217,8 @@ class ScheduleSpec(BaseModel):
 
     def command(self, kind: str = "systemd") -> list[str]:
         cmd = [self.executable(kind), "run", self.config, "--name", self.name]
+        if self.gpus > 1:  # the job trains on the GPUs it reserves (`pipeline run --gpus`)
+            cmd += ["--gpus", str(self.gpus)]
         return [*cmd, "--locked-ok"] if kind == "cronjob" else cmd
 
 

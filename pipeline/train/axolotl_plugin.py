@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 
 from pipeline.train import packing
 from pipeline.train.fused_loss import patch_vl_fused_cross_entropy
+from pipeline.train.recompute import apply_layer_types, recompute_summary
 
 METRICS_ENV = "PIPELINE_METRICS_FILE"
 
@@ -63,6 +64,7 @@ class MetricsFileCallback(TrainerCallback):
                 "base_params": self.params,
                 "world_size": world,
                 "gpu": gpu,
+                "recompute": recompute_summary(kwargs["model"]) if kwargs.get("model") is not None else None,
             },
         )
 
@@ -77,6 +79,20 @@ class MetricsFileCallback(TrainerCallback):
         self._write(state, {"event": "end", "step": state.global_step})
 
 
+class RecomputeCallback(TrainerCallback):
+    """Recompute only the listed decoder-layer types (pipeline.train.recompute); the Trainer has
+    enabled checkpointing on every layer (or every k-th) by the time `on_train_begin` runs."""
+
+    def __init__(self, types):
+        self.types = list(types)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and args.gradient_checkpointing:
+            counts = apply_layer_types(model, self.types)
+            print(f"pipeline: recomputing {counts['recomputed']} decoder layers ({', '.join(self.types)}), "
+                  f"keeping the activations of {counts['kept']}", flush=True)  # fmt: skip
+
+
 # axolotl model_config_type values whose loaded class is Qwen3_5ForConditionalGeneration
 VL_FUSED_CE_TYPES = ("qwen3_5",)
 
@@ -85,15 +101,21 @@ class PipelinePlugin(BasePlugin):
     """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set; fused CE for the Qwen3.5 VL class;
     exact packing for the Qwen3.5 family."""
 
+    def get_input_args(self) -> str:
+        return "pipeline.train.recompute.PipelineArgs"
+
     def pre_model_load(self, cfg):
-        if (cfg.sample_packing or cfg.eval_sample_packing) and cfg.model_config_type in packing.FAMILIES:
+        packed = cfg.sample_packing or cfg.eval_sample_packing
+        if (packed or cfg.pipeline_fla_gdn) and cfg.model_config_type in packing.FAMILIES:
             packing.apply(cfg.model_config_type)
+            packing.FLA_FOR_ALL_ROWS = bool(cfg.pipeline_fla_gdn)
             import torch
 
             kernels = packing.kernels_for("cuda" if torch.cuda.is_available() else "cpu")
             print(
                 f"pipeline: exact sample packing for {cfg.model_config_type} (conv and recurrent state reset "
-                f"at every packed-sample boundary, {kernels} kernels; pipeline.train.packing)",
+                f"at every packed-sample boundary, {kernels} kernels"
+                f"{'; every row through this path' if cfg.pipeline_fla_gdn else ''}; pipeline.train.packing)",
                 flush=True,
             )
         if cfg.liger_fused_linear_cross_entropy and cfg.model_config_type in VL_FUSED_CE_TYPES:
@@ -105,5 +127,10 @@ class PipelinePlugin(BasePlugin):
             )
 
     def add_callbacks_pre_trainer(self, cfg, model):
+        out = []
+        if cfg.gradient_checkpointing and cfg.pipeline_recompute_layer_types is not None:
+            out.append(RecomputeCallback(cfg.pipeline_recompute_layer_types))
         path = os.environ.get(METRICS_ENV)
-        return [MetricsFileCallback(path, model)] if path else []
+        if path:
+            out.append(MetricsFileCallback(path, model))
+        return out

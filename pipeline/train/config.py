@@ -41,6 +41,9 @@ ALLOWABLE = (
     {i: e.doc for i, e in catalogue().items()}
     | {k: RULES[v].doc for k, v in LEGACY_ALLOW.items()}
     | {"logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU"}
+    | {
+        "dataset.dropped": "axolotl would drop more than train.max_dropped_share of the conversations or trainable tokens"
+    }
 )
 
 

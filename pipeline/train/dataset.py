@@ -58,6 +58,8 @@ class DatasetReport(Report):
     overlap: int = 0
     sequence_len: int | None = None
     fingerprint: str = ""
+    # what axolotl keeps per split (pipeline.train.gate.SplitCount.to_dict), filled by `pipeline train`
+    kept: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -68,6 +70,7 @@ class DatasetReport(Report):
             "train_validation_overlap": self.overlap,
             "files": [vars(f) for f in self.files],
             "findings": [f.to_dict() for f in self.findings],
+            "kept": self.kept,
         }
 
 

@@ -39,8 +39,10 @@ from pipeline.artifacts.manifest import (
     BaseModelRef,
     DatasetFile,
     DatasetRecord,
+    KeptSplit,
     LoraSettings,
     ServedRef,
+    StrategyRecord,
     TrainingInputs,
     TrainMetrics,
     file_hashes,
@@ -50,20 +52,29 @@ from pipeline.artifacts.manifest import (
 from pipeline.artifacts.names import check_name, default_name
 from pipeline.children import guarded
 from pipeline.config import ProjectConfig
-from pipeline.errors import CheckFailed, PipelineError
+from pipeline.errors import CheckFailed, PipelineError, UsageError
 from pipeline.interrupt import Interrupted, shielded
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
+from pipeline.train.gate import (
+    KEPT_PARAMS,
+    GateUnavailable,
+    SplitCount,
+    count_kept,
+    gate_problems,
+    kept_metrics,
+)
 from pipeline.train.metrics import read_metrics, summarise
+from pipeline.train.passthrough import split_passthrough
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
 from pipeline.train.progress import follow_progress, progress_mode
-from pipeline.train.schema import check_axolotl_schema
+from pipeline.train.schema import PLUGIN, check_axolotl_schema
+from pipeline.train.strategy import Choice, apply_choice, choose
 from pipeline.train.wrapped_keys import WRAPPER_SEGMENTS, normalise_adapter_keys
 from pipeline.validate.report import FleetRules
 
 log = logging.getLogger("pipeline.train")
 
-PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
 # Files copied from axolotl's output_dir into the adapter directory.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TOKENIZER_FILES = (
@@ -81,10 +92,76 @@ class TrainError(CheckFailed):
 @dataclass
 class TrainResult:
     run_dir: Path
-    adapter_dir: Path
+    adapter_dir: Path | None  # None on a worker node (node rank > 0): node 0 writes the adapter
     manifest: AdapterManifest
     run_id: str | None
     seconds: float
+
+
+@dataclass
+class LaunchPlan:
+    """How axolotl is started: its launcher and the arguments after `--`, processes, this node's rank,
+    and the multi-process strategy (pipeline.train.strategy) when there is more than one process."""
+
+    launcher: str
+    launcher_args: list[str]
+    gpus: int  # processes on this node
+    world: int  # processes on all nodes
+    node_rank: int
+    choice: Choice | None
+
+
+_NNODES = ("--nnodes", "--num_machines", "--num-machines")
+_NODE_RANK = ("--node-rank", "--node_rank", "--machine_rank", "--machine-rank")
+
+
+def _int_arg(args: list[str], names: tuple[str, ...], default: int) -> int:
+    """The integer value of a launcher option (`--nnodes 2`, `--nnodes=2`, torchrun's `--nnodes 1:2`: the max)."""
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in names:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return max(int(v) for v in value.split(":"))
+            except ValueError:
+                raise UsageError(f"`-- {name} {value}`: expected a number") from None
+    return default
+
+
+def training_setup(
+    config_path: Path,
+    overrides: list[str] = (),
+    overlays: list[Path] = (),
+    gpus: int = 1,
+    launcher: str | None = None,
+    launcher_args: list[str] = (),
+    strategy: str = "auto",
+    visible: list[Gpu] | None = None,
+) -> tuple[TrainingConfig, LaunchPlan]:
+    """The training config and launch plan of `pipeline train`/`pipeline run` options: arguments after
+    `--` split into launcher options and axolotl config keys (pipeline.train.passthrough), then with
+    several processes DDP or FSDP2 chosen and applied (pipeline.train.strategy). `visible`: the GPUs
+    (default: nvidia-smi). Raises UsageError for a launcher/option mismatch."""
+    launcher = launcher or ("python" if gpus <= 1 else "accelerate")
+    if launcher == "python" and gpus > 1:
+        raise UsageError(
+            f"--launcher python runs one process: use --launcher accelerate or torchrun for --gpus {gpus}"
+        )
+    passed = split_passthrough(list(launcher_args), launcher)
+    tc = load_training_config(Path(config_path), [*overrides, *passed.overrides], list(overlays))
+    world = gpus * _int_arg(passed.launcher_args, _NNODES, 1)
+    choice = None
+    if world > 1:
+        choice = choose(tc, detect_gpus() if visible is None else visible, strategy)
+        tc = TrainingConfig(tc.path, apply_choice(tc.data, choice), tc.origins)
+    elif strategy != "auto":
+        raise UsageError(
+            f"--strategy {strategy}: only for several processes (--gpus N, or a multi-node launcher)"
+        )
+    plan = LaunchPlan(
+        launcher, passed.launcher_args, gpus, world, _int_arg(passed.launcher_args, _NODE_RANK, 0), choice
+    )
+    return tc, plan
 
 
 def train_env(extra: dict | None = None) -> dict:
@@ -122,7 +199,8 @@ def check_inputs(
     cfg: ProjectConfig, tc: TrainingConfig, allow: set[str], world: int = 1, gpus: list[Gpu] | None = None
 ) -> DatasetReport:
     """Config servability, axolotl's schema, GPU preflight (packing on Gated-DeltaNet models,
-    logits memory) and dataset checks. Raises CheckFailed before anything is written.
+    logits memory), dataset checks and the dataset gate (what axolotl keeps: the report's `kept`).
+    Raises CheckFailed before anything is written.
 
     `gpus`: the visible GPUs (default: pipeline.train.preflight.detect_gpus()); `world`: processes.
     """
@@ -145,8 +223,7 @@ def check_inputs(
     report = check_datasets(
         tc.dataset_paths("datasets"),
         tc.dataset_paths("test_datasets"),
-        tokenizer=_load_tokenizer(str(tc.data.get("base_model"))),
-        sequence_len=tc.data.get("sequence_len"),
+        tokenizer=_load_tokenizer(str(tc.data.get("base_model"))),  # the template's message variables
         formats=formats,
         config=tc.data,
     )
@@ -155,11 +232,13 @@ def check_inputs(
         shown = "\n  ".join(str(f) for f in report.errors[:30])
         more = f"\n  ... and {len(report.errors) - 30} more" if len(report.errors) > 30 else ""
         raise CheckFailed(f"dataset check failed ({len(report.errors)} errors):\n  {shown}{more}")
+    report.kept = [sc.to_dict() for sc in dataset_gate(cfg, tc, allow)]
     return report
 
 
-def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
-    """The config axolotl will run: absolute paths, our output_dir, plugin and MLflow settings."""
+def axolotl_view(tc: TrainingConfig) -> dict:
+    """The config as axolotl will read it, minus the run's own settings: absolute paths, the
+    pipeline's plugin, `revision_of_model` from `base_model_revision`."""
     d = json.loads(json.dumps(tc.data))
     for key in ("datasets", "test_datasets"):
         for ds in d.get(key) or []:
@@ -173,12 +252,54 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
         d["revision_of_model"] = rev
     if d.get("dataset_prepared_path"):
         d["dataset_prepared_path"] = str(Path(d["dataset_prepared_path"]).resolve())
-    d["output_dir"] = str(run_dir / "output")
     d["plugins"] = list(dict.fromkeys([*(d.get("plugins") or []), PLUGIN]))
+    return d
+
+
+def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
+    """The config axolotl will run: `axolotl_view` plus our output_dir and MLflow settings."""
+    d = axolotl_view(tc)
+    d["output_dir"] = str(run_dir / "output")
     d["use_mlflow"] = True
     d["mlflow_tracking_uri"] = cfg.tracking_uri
     d["mlflow_experiment_name"] = cfg.registry.experiment
     return d
+
+
+def dataset_gate(cfg: ProjectConfig, tc: TrainingConfig, allow: set[str]) -> list[SplitCount]:
+    """What axolotl keeps of the datasets (pipeline.train.gate, axolotl's own tokenisation and
+    filters with the run's tokenizer and template); raises CheckFailed for a split with nothing
+    kept, or more than `train.max_dropped_share` dropped (unless --allow dataset.dropped).
+    Returns [] when the base's tokenizer or config cannot be read here (a hub id not cached
+    offline): axolotl then counts at training time as before."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        counts = count_kept(axolotl_view(tc))
+    except GateUnavailable as e:  # no base config / tokenizer here: axolotl counts at training time
+        log.warning("dataset gate skipped (the base cannot be read here: %s)", e)
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckFailed(f"{tc.path}: axolotl cannot prepare the datasets: {e}") from None
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+    problems = gate_problems(counts, cfg.train.max_dropped_share, allow)
+    if problems:
+        raise CheckFailed("dataset gate (what axolotl would keep):\n  " + "\n  ".join(problems))
+    for sc in counts:
+        if sc.dropped or sc.truncated:
+            log.warning(
+                "%s: axolotl drops %d of %d conversations (%s)%s",
+                sc.split,
+                sc.dropped,
+                sc.conversations,
+                sc.reasons(),
+                f", truncates {sc.truncated}" if sc.truncated else "",
+            )
+    return counts
 
 
 def launcher_command(
@@ -225,11 +346,17 @@ def train(
     gpus: int = 1,
     launcher: str | None = None,
     launcher_args: list[str] = (),
+    strategy: str = "auto",
     show_progress: bool | str = True,
     echo=None,
     run_dir: Path | None = None,
 ) -> TrainResult:
     """Check, train with axolotl, and write `adapter/` + `manifest.json` in a new run directory.
+
+    `launcher_args`: the arguments after `--` (launcher options pass through, axolotl config keys
+    become overrides); with several processes, `strategy` (auto|ddp|fsdp2) picks DDP or FSDP2. On a
+    worker node (launcher node rank > 0) axolotl runs, and no MLflow run or adapter is written here:
+    node 0 writes them.
 
     Raises:
         UsageError / CheckFailed: bad config or dataset (nothing written).
@@ -242,8 +369,15 @@ def train(
         name or default_name(Path(config_path).stem),
         "adapter name (--name, default: from the config file name)",
     )
-    tc = load_training_config(Path(config_path), list(overrides), list(overlays))
-    ds_report = check_inputs(cfg, tc, set(allow), world=gpus)
+    tc, plan = training_setup(
+        Path(config_path), list(overrides), list(overlays), gpus, launcher, list(launcher_args), strategy
+    )
+    if plan.choice:
+        echo(
+            f"{plan.world} processes: {plan.choice.strategy.upper()} ({plan.choice.reason}; --strategy overrides)"
+        )
+    ds_report = check_inputs(cfg, tc, set(allow), world=plan.world)
+    worker = plan.node_rank > 0
     registry.check_store(cfg)  # an unusable store fails before the run directory exists
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     run_dir = Path(run_dir) if run_dir else cfg.train.runs_dir / f"{name}-{stamp}"
@@ -278,24 +412,25 @@ def train(
         },
         "dataset_fingerprint": ds_report.fingerprint,
         "config_sha256": tc.sha256,
+        # what axolotl keeps of each split, counted before the model loads (pipeline.train.gate)
+        "dataset_kept": {k["split"]: {n: k[n] for n in KEPT_PARAMS} for k in ds_report.kept},
     }
     run_file = run_dir / "mlflow_run.json"
     run_id = json.loads(run_file.read_text())["run_id"] if resume is not None and run_file.exists() else None
-    if run_id is None:
+    if worker:
+        pass  # node 0 holds the MLflow run
+    elif run_id is None:
         run_id = registry.start_training_run(cfg, run_dir.name, params, datasets)
         write_json_atomic(run_file, {"run_id": run_id})
     else:
         registry.reopen_training_run(cfg, run_id)
 
     metrics_file = run_dir / "metrics.jsonl"
-    cmd = launcher_command(resolved_yml, gpus, launcher, launcher_args)
+    cmd = launcher_command(resolved_yml, plan.gpus, plan.launcher, plan.launcher_args)
     echo(f"run dir: {run_dir}\nmlflow run: {run_id}\nlaunching: {' '.join(cmd)}")
     env = train_env(
-        {
-            "PIPELINE_METRICS_FILE": str(metrics_file),
-            "MLFLOW_RUN_ID": run_id,
-            "MLFLOW_TRACKING_URI": cfg.tracking_uri,
-        }
+        {"PIPELINE_METRICS_FILE": str(metrics_file), "MLFLOW_TRACKING_URI": cfg.tracking_uri}
+        | ({"MLFLOW_RUN_ID": run_id} if run_id else {})
     )
     with open(run_dir / "train.log", "w") as train_log:
         # Under the guard with no grace: the trainer and any launcher workers (accelerate, torchrun)
@@ -314,16 +449,27 @@ def train(
             with shielded():  # the clean-up itself is not cut by a second signal
                 proc.terminate()  # the guard ends the trainer's process group (no grace: pipeline/children.py)
                 proc.wait(30)
-                registry.finish_training_run(
-                    cfg, run_id, {}, [run_dir / "train.log"], ok=False, status="KILLED" if stopped else None
-                )
+                if run_id:
+                    registry.finish_training_run(
+                        cfg,
+                        run_id,
+                        {},
+                        [run_dir / "train.log"],
+                        ok=False,
+                        status="KILLED" if stopped else None,
+                    )
             if stopped:
                 log.warning("training stopped; %s keeps its checkpoints: the next run resumes", run_dir)
             raise
     summary = summarise(read_metrics(metrics_file), cfg.train.peak_tflops)
     out_dir = run_dir / "output"
+    if worker and proc.returncode == 0:
+        echo(f"node {plan.node_rank}: training finished; node 0 writes the adapter and the MLflow run")
+        worker_manifest = AdapterManifest(files={}, metrics=TrainMetrics(**summary), gpus=plan.world)
+        return TrainResult(run_dir, None, worker_manifest, None, time.time() - t0)
     if proc.returncode != 0 or not all((out_dir / f).exists() for f in ADAPTER_FILES):
-        registry.finish_training_run(cfg, run_id, summary, [run_dir / "train.log"], ok=False)
+        if run_id:
+            registry.finish_training_run(cfg, run_id, summary, [run_dir / "train.log"], ok=False)
         tail = "\n".join((run_dir / "train.log").read_text(errors="replace").splitlines()[-25:])
         raise TrainError(f"axolotl failed (exit {proc.returncode}); log: {run_dir / 'train.log'}\n{tail}")
 
@@ -354,6 +500,8 @@ def train(
                 DatasetFile(path=f.path, role=f.role, sha256=f.sha256, conversations=f.conversations)
                 for f in ds_report.files
             ],
+            # what axolotl kept per split (pipeline.train.gate): conversations, tokens, trainable tokens
+            kept=[KeptSplit(**k) for k in ds_report.kept],
         ),
         config_sha256=tc.sha256,
         # the input fingerprint every registration tags (`run.fingerprint`): pipeline/artifacts/fingerprint.py
@@ -363,11 +511,17 @@ def train(
         versions=package_versions(),
         metrics=TrainMetrics(**summary),
         mlflow_run_id=run_id,
-        gpus=gpus,
+        gpus=plan.world,
+        # DDP or FSDP2 and why (pipeline.train.strategy); None for one process
+        strategy=StrategyRecord(**plan.choice.to_dict()) if plan.choice else None,
     )
     write_manifest(staging, manifest)
     os.replace(staging, adapter_dir)
     registry.finish_training_run(
-        cfg, run_id, summary, [adapter_dir / MANIFEST, run_dir / "dataset_report.json"], ok=True
+        cfg,
+        run_id,
+        {**summary, **kept_metrics(ds_report.kept)},
+        [adapter_dir / MANIFEST, run_dir / "dataset_report.json"],
+        ok=True,
     )
     return TrainResult(run_dir, adapter_dir, manifest, run_id, time.time() - t0)

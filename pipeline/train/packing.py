@@ -22,8 +22,8 @@ with such a row (read from `transformers/models/qwen3_5/modeling_qwen3_5.py` and
   MRoPE axes only (`[3, B, T]`, the layout of Qwen-VL processors) leave the decoder layers without
   text positions, hence without boundaries.
 
-`apply()` patches those classes (the pipeline's axolotl plugin calls it when `sample_packing` or
-`eval_sample_packing` is on): boundaries come from the text `position_ids` (a sample starts where
+`apply()` patches those classes (the pipeline's axolotl plugin calls it when `sample_packing`,
+`eval_sample_packing` or `pipeline_fla_gdn` is on): boundaries come from the text `position_ids` (a sample starts where
 its position is 0) or from a segment-id mask; the Gated-DeltaNet layers get them as `cu_seqlens`
 (fla's `causal_conv1d` and `chunk_gated_delta_rule` on CUDA, rows flattened to one, as
 NVIDIA-NeMo/Automodel#2147, modelscope/mcore-bridge#176, THUDM/slime#1686 and
@@ -47,6 +47,10 @@ FAMILIES = {
     "qwen3_5_moe_text": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5Moe"),
 }
 _ORIGINAL = "__pipeline_packing_original__"
+# Route every row (not only packed ones) through the forward below when on CUDA with fla: fla's
+# Triton causal conv instead of transformers' F.conv1d fallback, axolotl's fused LoRA in-projections.
+# Set by the plugin from `pipeline_fla_gdn` (pipeline.train.recompute.PipelineArgs).
+FLA_FOR_ALL_ROWS = False
 
 
 # -- boundaries ------------------------------------------------------------------------------------
@@ -201,11 +205,14 @@ def _gdn_forward(module, original):
             position_ids = position_ids[0]
         decoding = cache_params is not None and cache_params.has_previous_state(self.layer_idx)
         starts = None if decoding else segment_starts(position_ids, attention_mask)
-        if not is_packed(starts):
+        if not is_packed(starts) and not (FLA_FOR_ALL_ROWS and hidden_states.is_cuda and not decoding):
             return original(
                 self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
             )
         B, T, _ = hidden_states.shape
+        if starts is None:  # an unpacked batch (FLA_FOR_ALL_ROWS): one sample per row
+            starts = torch.zeros(B, T, dtype=torch.bool, device=hidden_states.device)
+            starts[:, 0] = True
         if attention_mask is not None and attention_mask.ndim == 2:  # padding as 0/1, never a scale
             hidden_states = hidden_states * (attention_mask != 0)[..., None].to(hidden_states.dtype)
         h = hidden_states.reshape(1, B * T, -1)  # rows are samples too: one flat row for the kernels

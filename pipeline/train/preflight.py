@@ -213,6 +213,12 @@ def _weights_bytes(base: Path, cfg: dict) -> int | None:
     return sum(f.stat().st_size for f in files) or None
 
 
+def weights_bytes(tc: TrainingConfig) -> int | None:
+    """Bytes of the local base's weights (its index's total_size, else its safetensors files), or None."""
+    base = Path(str(tc.data.get("base_model", "")))
+    return _weights_bytes(base, base_config(tc) or {}) if base.is_dir() else None
+
+
 def logits_memory_problem(tc: TrainingConfig, gpus: list[Gpu], world: int = 1) -> str | None:
     """A message when materialised logits + weights are estimated not to fit the smallest GPU, else None.
 

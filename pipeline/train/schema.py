@@ -25,6 +25,8 @@ from pipeline.train.config import TrainingConfig
 # `base_model_revision`: the base's pinned commit; `pipeline train` passes it to axolotl as
 # `revision_of_model` (axolotl's name, alias `model_revision`), which is what its loaders read.
 PIPELINE_KEYS = frozenset({"base_model_revision"})
+# The pipeline's own axolotl plugin: `pipeline train` adds it to every run (its keys: pipeline.train.recompute).
+PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
 
 
 @dataclass
@@ -68,6 +70,11 @@ def _names(model: type) -> dict[str, object]:
     return out
 
 
+def model_keys(models: list[type]) -> set[str]:
+    """Every top-level key (field names and aliases) the models accept."""
+    return {k for m in models for k in _names(m)}
+
+
 def _allows_extra(models: list[type]) -> bool:
     return any(m.model_config.get("extra") == "allow" for m in models)
 
@@ -104,16 +111,17 @@ def unknown_keys(data: dict, models: list[type], prefix: str = "") -> list[tuple
 
 
 def axolotl_models(data: dict) -> list[type]:
-    """axolotl's input config model, merged with the input models of the config's plugins."""
+    """axolotl's input config model, merged with the input models of the config's plugins and the pipeline's."""
     from axolotl.integrations.config import merge_input_args
     from axolotl.utils.config import prepare_plugins
     from axolotl.utils.dict import DictDefault
 
-    if data.get("plugins"):
+    plugins = list(dict.fromkeys([*(data.get("plugins") or []), PLUGIN]))  # `pipeline train` adds its own
+    if plugins:
         try:
-            prepare_plugins(DictDefault({"plugins": list(data["plugins"])}))
+            prepare_plugins(DictDefault({"plugins": plugins}))
         except Exception as e:  # a plugin that cannot be imported: axolotl would fail the same way
-            raise CheckFailed(f"axolotl plugins {data['plugins']}: cannot load ({e})") from None
+            raise CheckFailed(f"axolotl plugins {plugins}: cannot load ({e})") from None
     _, model = merge_input_args()
     return [model]
 
@@ -147,7 +155,11 @@ def check_axolotl_schema(tc: TrainingConfig) -> None:
 
     check_known_keys(tc)
     try:
-        validate_config(DictDefault(json.loads(json.dumps(tc.data))))
+        data = json.loads(json.dumps(tc.data))
+        data["plugins"] = list(
+            dict.fromkeys([*(data.get("plugins") or []), PLUGIN])
+        )  # as `pipeline train` runs it
+        validate_config(DictDefault(data))
     except ValidationError as e:
         lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
         raise CheckFailed(f"{tc.path}: axolotl refuses the config:\n  " + "\n  ".join(lines)) from None

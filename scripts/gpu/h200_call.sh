@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One device call on a lent H200 machine (nvidia-h200-x2): run from the staged folder
-# (scripts/gpu/stage.sh), `bash scripts/gpu/h200_call.sh PLAN`; results under $OUT.
+# One device call on a lent H200 machine: run from the staged folder (scripts/gpu/stage.sh),
+# `bash scripts/gpu/h200_call.sh PLAN [DEADLINE_S]`; results under $OUT.
 #
-# Self-contained on a fresh machine: unpacks the bundle (scripts/gpu/bundle.sh) into /tmp/site,
-# builds the random real-geometry bases (`pipeline dev real-base`, on the GPUs) and measures the
-# bf16 matmul peak of each GPU, each only once per machine, then runs the plan of
-# benchmarks/axolotl_h200.py (`pipeline train` through axolotl's CLI). A plan's experiments wait
-# for the base they need, so the 8-layer queue (GPU1) starts while the 64-layer base is written.
+# Self-contained on a fresh machine: unpacks the bundle (scripts/gpu/bundle.sh) into /tmp/site and
+# measures the bf16 matmul peak of each GPU (once per machine), then runs the plan of
+# benchmarks/axolotl_h200.py (`pipeline train` through axolotl's CLI), which builds the random
+# real-geometry bases it needs (`pipeline dev real-base`, on the GPU; once per machine: a call right
+# after another, on the still-warm machine, skips the 80 s 64-layer build and the tilelang compile).
+# DEADLINE_S (default 480): no experiment starts later, and each is cut to what is left + 60 s.
+# POLICY_RECORDS: records.jsonl files of an earlier call (plan h200-b takes h200-a's recompute policy).
 set -uo pipefail
 PLAN=${1:?plan}
 DEADLINE=${2:-480}
@@ -26,7 +28,7 @@ fi
 cp -a scripts/gpu/stubs/. $SITE/  # stubs may be newer than the bundle
 export PYTHONPATH=$SITE:$ROOT PATH=$SITE/bin:$PATH
 el "bundle ready"
-mkdir -p $WORK && cp -r data $WORK/
+mkdir -p $WORK/logs && cp -r data $WORK/
 {
     nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm --format=csv
     df -h /tmp /dev/shm
@@ -39,22 +41,16 @@ el "$(tail -1 "$OUT/host.txt")"
 [ -f $WORK/peaks.json ] || python3 benchmarks/axolotl_h200.py peaks --work $WORK >>"$OUT/host.txt" 2>&1
 el "peaks $(cat $WORK/peaks.json)"
 
-build() { # layers gpu
-    [ -f $WORK/real$1/.done ] && return 0
-    CUDA_VISIBLE_DEVICES=$2 python3 -m pipeline dev real-base $WORK/real$1 --layers $1 --device cuda &&
-        touch $WORK/real$1/.done
-}
-mkdir -p $WORK/logs
-build 8 1 >$WORK/logs/build8.log 2>&1 &
-build 64 0 >$WORK/logs/build64.log 2>&1 &
-
-python3 benchmarks/axolotl_h200.py run "$PLAN" --work $WORK --out "$OUT" --deadline-s "$DEADLINE"
-wait
+# shellcheck disable=SC2086
+python3 benchmarks/axolotl_h200.py run "$PLAN" --work $WORK --out "$OUT" --deadline-s "$DEADLINE" \
+    --policy-records ${POLICY_RECORDS:-}
 el "plan $PLAN done"
+python3 benchmarks/axolotl_h200.py summary "$OUT" --json "$OUT/summary.json" || true
 if [ "$PLAN" = call2 ]; then
     timeout 60 python3 benchmarks/axolotl_h200.py adapters --work $WORK --out "$OUT/adapters.json" || true
     el "adapter checks done"
 fi
 tar czf "$OUT/logs-$PLAN.tgz" -C $WORK logs
 du -sh $WORK/real* 2>/dev/null
+df -h /tmp | tail -1
 el "end"

@@ -16,7 +16,7 @@ rm -rf "$DEST"
 mkdir -p "$DEST/bundle" "$DEST/data" "$DEST/benchmarks" "$DEST/scripts"
 cp -a "$SRC/pipeline" "$SRC/axolotl_configs" "$DEST/"
 cp -a "$SRC/scripts/gpu" "$DEST/scripts/"
-cp "$SRC"/benchmarks/{axolotl_h200.py,packing_check.py,validate_static.py,qwen36_27b.py} "$DEST/benchmarks/"
+cp "$SRC"/benchmarks/{axolotl_h200.py,packing_check.py,recompute_sweep.py,validate_static.py,qwen36_27b.py} "$DEST/benchmarks/"
 cp "$BUNDLE"/py.tar.xz "$BUNDLE"/kern.tar.xz "$DEST/bundle/"
 cp "$DATA"/*.jsonl "$DATA"/lengths.json "$DEST/data/"
 find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
