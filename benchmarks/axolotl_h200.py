@@ -154,6 +154,7 @@ def experiment(
     sweep=None,
     policy_from=None,
     drop_base=False,
+    strategy=None,
 ):
     """One `pipeline train` run (kind "train"), or the packing check; `sweep`: recompute phases measured
     in this run (benchmarks/recompute_sweep.py); `policy_from`: take the recompute policy that
@@ -176,10 +177,12 @@ def experiment(
         sweep=sweep,
         policy_from=policy_from,
         drop_base=drop_base,
+        strategy=strategy,
     )
 
 
 UNFUSED = ["liger_fused_linear_cross_entropy=false"]
+NO_DROPOUT = ["lora_dropout=0.0", "sample_packing=false"]
 NO_CKPT = ["gradient_checkpointing=false"]
 PACK = ["sample_packing=true", "eval_sample_packing=false", "attn_implementation=sdpa"]
 CPU = [  # CPU smoke runs: the tiny text base (`smoke-base`), no Triton kernels
@@ -293,6 +296,27 @@ PLANS = {
             packing=True,
             policy_from="l64-s4096-sweep",
             timeout=260,
+        ),
+    ],
+    # nvidia-h200-x2 (issue 28, ~8 min): 64 layers, seq 4096, the same global batch (2 rows per step),
+    # LoRA dropout off so that the losses can be compared: 1 GPU (GA 2) vs DDP x2 vs FSDP2 x2.
+    "ddp2": [
+        experiment(
+            "l64-s4096-1gpu-ga2", 64, 4096, 6, gpu="0", sets=["gradient_accumulation_steps=2", *NO_DROPOUT]
+        ),
+        experiment(
+            "l64-s4096-ddp-x2", 64, 4096, 6, gpu="01", gpus=2, strategy="ddp", sets=NO_DROPOUT, timeout=300
+        ),
+        experiment(
+            "l64-s4096-fsdp2-x2",
+            64,
+            4096,
+            6,
+            gpu="01",
+            gpus=2,
+            strategy="fsdp2",
+            sets=NO_DROPOUT,
+            timeout=300,
         ),
     ],
     "call2": [
@@ -517,6 +541,8 @@ def _run_one(e: dict, work: Path, out: Path, peaks: dict, log, done: dict | None
         cmd += ["--set", f"plugins=[{', '.join([*listed, SWEEP_PLUGIN])}]"]
     if e["overlay"]:
         cmd += ["--overlay", FSDP2, "--gpus", str(e["gpus"])]
+    elif e["gpus"] > 1:  # pipeline train picks (or is told) DDP or FSDP2: pipeline.train.strategy
+        cmd += ["--gpus", str(e["gpus"])] + (["--strategy", e["strategy"]] if e.get("strategy") else [])
     if e["kind"] == "packing_check":
         cmd = [
             sys.executable,
@@ -843,6 +869,28 @@ def summary(out_dirs: list[Path]) -> list[dict]:
     return rows
 
 
+def scaling(rows: list[dict], one: str = "l64-s4096-1gpu-ga2") -> list[dict]:
+    """2-GPU runs vs the 1-GPU run of the same plan: scaling efficiency = tok/s(2) / (2 x tok/s(1)),
+    and the largest relative per-step loss difference (same global batch, dropout off)."""
+    by = {r["name"]: r for r in rows}
+    ref = by.get(one)
+    out = []
+    for r in rows:
+        if not ref or r["gpus"] < 2 or not r.get("tokens_per_s") or not ref.get("tokens_per_s"):
+            continue
+        n = min(len(r["losses"]), len(ref["losses"]))
+        diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n], strict=True) if b]
+        out.append(
+            {
+                "name": r["name"],
+                "scaling_efficiency": round(r["tokens_per_s"] / (r["gpus"] * ref["tokens_per_s"]), 4),
+                "max_rel_loss_diff_vs_1gpu": max(diffs) if diffs else None,
+                "steps_compared": n,
+            }
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -894,6 +942,8 @@ def main() -> None:
         run_plan(a.plan, a.work, a.out, a.only, a.deadline_s, a.policy_records)
     else:
         rows = summary(a.dirs)
+        for sc in scaling(rows):
+            next(r for r in rows if r["name"] == sc["name"])["scaling"] = sc
         if a.json:
             a.json.write_text(json.dumps(rows, indent=1) + "\n")
         for x in rows:
@@ -906,6 +956,8 @@ def main() -> None:
                 )
             if x.get("policy"):
                 print(f"    policy for seq {x['policy']['seq']}: {x['policy']['sets']}")
+            if x.get("scaling"):
+                print(f"    scaling {x['scaling']}")
             if x.get("packing_check"):
                 pc = x["packing_check"]
                 print(f"    packing check ok={pc.get('ok')} max rel loss diff {pc.get('max_rel_diff_pipeline')} "

@@ -106,6 +106,11 @@ class SweepCallback(TrainerCallback):
 
 
 class SweepPlugin(BasePlugin):
+    def pre_model_load(self, cfg):
+        # the packing forward in place (unpacked rows run transformers' own until a phase sets fla_gdn)
+        if cfg.model_config_type in packing.FAMILIES:
+            packing.apply(cfg.model_config_type)
+
     def add_callbacks_pre_trainer(self, cfg, model):
         phases = json.loads(os.environ.get("RECOMPUTE_SWEEP", "[]"))
         return [SweepCallback(phases, os.environ["RECOMPUTE_SWEEP_OUT"])] if phases else []

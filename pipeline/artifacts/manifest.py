@@ -219,7 +219,9 @@ class AdapterManifest(_Manifest):
     metrics: TrainMetrics = Field(default_factory=TrainMetrics)
     mlflow_run_id: str | None = None
     gpus: int | None = None
-    strategy: StrategyRecord | None = Field(None, description="DDP or FSDP2 and why (pipeline.train.strategy)")
+    strategy: StrategyRecord | None = Field(
+        None, description="DDP or FSDP2 and why (pipeline.train.strategy)"
+    )
     # written by publish into the volume's copy
     registered_files: dict[str, str] | None = Field(None, description="`files` as registered, before publish")
     published: PublishRecord | None = None

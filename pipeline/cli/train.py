@@ -70,7 +70,12 @@ def train(
     if res.adapter_dir is None:  # a worker node of a multi-node run
         if as_json:
             emit_json(
-                {"adapter": None, "run_dir": str(res.run_dir), "metrics": m.figures(), "seconds": round(res.seconds, 3)}
+                {
+                    "adapter": None,
+                    "run_dir": str(res.run_dir),
+                    "metrics": m.figures(),
+                    "seconds": round(res.seconds, 3),
+                }
             )
         else:
             typer.echo(f"worker node: trained ({res.seconds:.1f} s); node 0 writes the adapter")

@@ -128,6 +128,11 @@ def _int_arg(args: list[str], names: tuple[str, ...], default: int) -> int:
     return default
 
 
+def _value(args: list[str], option: str) -> str:
+    name, eq, value = option.partition("=")
+    return value if eq else (args[args.index(option) + 1] if args.index(option) + 1 < len(args) else "")
+
+
 def training_setup(
     config_path: Path,
     overrides: list[str] = (),
@@ -149,7 +154,17 @@ def training_setup(
         )
     passed = split_passthrough(list(launcher_args), launcher)
     tc = load_training_config(Path(config_path), [*overrides, *passed.overrides], list(overlays))
-    world = gpus * _int_arg(passed.launcher_args, _NNODES, 1)
+    nnodes = _int_arg(passed.launcher_args, _NNODES, 1)
+    world = gpus * nnodes
+    dynamic = next(
+        (a for a in passed.launcher_args if a.split("=")[0] in ("--rdzv-backend", "--rdzv_backend")), None
+    )
+    if nnodes > 1 and dynamic and _value(passed.launcher_args, dynamic) != "static":
+        raise UsageError(
+            "several nodes with a dynamic rendezvous (--rdzv-backend): torchrun then gives global rank 0, which "
+            "writes the adapter, to any node; use the static one (--master-addr HOST --master-port PORT "
+            "--node-rank K on each node) so that node 0 writes it"
+        )
     choice = None
     if world > 1:
         choice = choose(tc, detect_gpus() if visible is None else visible, strategy)

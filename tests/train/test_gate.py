@@ -86,8 +86,8 @@ def test_share_is_configurable_and_allowable(project, tiny_base, tmp_path, monke
 
 def test_counts_reach_the_manifest_and_mlflow(trained):
     cfg, res = trained
-    kept = {k["split"]: k for k in res.manifest["dataset"]["kept"]}
-    assert kept["train"]["kept"] == kept["train"]["conversations"] == 120
+    kept = {k.split: k for k in res.manifest.dataset.kept}
+    assert kept["train"].kept == kept["train"].conversations == 120 and kept["test"].dropped == 0
     from pipeline.registry.store import mlflow_for
 
     run = mlflow_for(cfg).MlflowClient().get_run(res.run_id)

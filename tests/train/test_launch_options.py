@@ -70,19 +70,9 @@ def test_after_dashdash_config_keys_become_checked_overrides(tmp_path):
 
 
 def test_multi_node_rendezvous_passes_through_to_torchrun(tmp_path):
-    """What a node of a 2-node run gets (docs/training.md, 'Several GPUs and nodes')."""
-    rdzv = [
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:29400",
-        "--rdzv-id",
-        "job7",
-    ]
+    """What node 1 of a 2-node run gets (docs/training.md, 'Several GPUs and nodes'): torchrun's static
+    rendezvous, so that node 0 holds global rank 0, which writes the adapter."""
+    rdzv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29400"]
     tc, plan = training_setup(
         TINY, [f"base_model={tmp_path}"], gpus=1, launcher="torchrun", launcher_args=rdzv, visible=[]
     )
@@ -90,6 +80,13 @@ def test_multi_node_rendezvous_passes_through_to_torchrun(tmp_path):
     assert plan.choice.strategy == "ddp" and tc.data["ddp_find_unused_parameters"] is False
     cmd = launcher_command(tmp_path / "resolved.yml", plan.gpus, plan.launcher, plan.launcher_args)
     assert cmd[cmd.index("--launcher") + 1] == "torchrun" and cmd[cmd.index("--") + 1 :] == rdzv
+    with pytest.raises(UsageError, match="static one"):
+        training_setup(
+            TINY,
+            [f"base_model={tmp_path}"],
+            launcher="torchrun",
+            launcher_args=["--nnodes=2", "--rdzv-backend", "c10d"],
+        )
 
 
 def _params(command: click.Command) -> set[str]:
