@@ -33,7 +33,6 @@ from pipeline.release.publish import publish
 
 log = logging.getLogger(__name__)
 
-SHIP_EVENTS = ("publish", "rollback")
 # Failures of the environment, not of the version: retried at the next poll (StoreError and
 # VolumeError are UsageErrors, so they are caught before the permanent ones).
 TRANSIENT = (StoreError, VolumeError, LockedError, FleetError)
@@ -42,12 +41,7 @@ TRANSIENT = (StoreError, VolumeError, LockedError, FleetError)
 def _ship_history(cfg: ProjectConfig, name: str) -> list[int]:
     """Versions of `name` in the order they were shipped (publish/rollback events), oldest first."""
 
-    stamped = []
-    for mv in registry.versions(cfg, name):
-        for k in mv.tags or {}:
-            if k.startswith(registry.EVENT_TAG_PREFIX) and k.rsplit(".", 1)[-1] in SHIP_EVENTS:
-                stamped.append((k[len(registry.EVENT_TAG_PREFIX) :], int(mv.version)))
-    return [v for _, v in sorted(stamped)]
+    return registry.ship_history(registry.versions(cfg, name))
 
 
 def _already_shipped(cfg: ProjectConfig, name: str, version: int) -> bool:

@@ -14,8 +14,8 @@ the gates (validation passed; eval loss not worse than production's by more than
 Fingerprint: `pipeline.artifacts.fingerprint` (dataset fingerprint, the config's inputs hash,
 the base identity): the same value `pipeline train` writes into the manifest and every
 registration tags as `run.fingerprint`, so versions from `demo` or `train` + `register` count.
-A gated candidate carries the gate's verdict and reason (`gate.verdict`, `gate.reason`, a
-`Gate:` line in its description): `pipeline status` and the MLflow UI show why it stayed.
+A gated candidate carries the gate's verdict and reason (`gate.verdict`, `gate.reason`, the first
+line of its description): `pipeline status` and the MLflow UI show why it stayed.
 
 Stopped by SIGTERM/SIGINT (`pipeline.interrupt`: what systemd and Kubernetes send at a timeout):
 training stops (the trainer's process group ends, the MLflow run is marked `KILLED`, the

@@ -9,7 +9,14 @@ Embedded default: sqlite at `<state_dir>/mlflow.db`, artifacts under `<state_dir
 
 from __future__ import annotations
 
-from pipeline.registry.events import EVENT_TAG_PREFIX, events, record_event, rollback_aliases
+from pipeline.registry.events import (
+    EVENT_TAG_PREFIX,
+    EVENTS_TAG,
+    events,
+    record_event,
+    rollback_aliases,
+    ship_history,
+)
 from pipeline.registry.presentation import refresh as refresh_ui
 from pipeline.registry.runs import finish_training_run, reopen_training_run, start_training_run
 from pipeline.registry.store import (
@@ -55,6 +62,7 @@ __all__ = [
     "ALIAS_PRODUCTION",
     "EVAL_SET_TAG",
     "EVENT_TAG_PREFIX",
+    "EVENTS_TAG",
     "FINGERPRINT_TAG",
     "GATE_REASON_TAG",
     "GATE_VERDICT_TAG",
@@ -85,6 +93,7 @@ __all__ = [
     "rollback_aliases",
     "set_alias",
     "set_version_tags",
+    "ship_history",
     "start_training_run",
     "store_exists",
     "store_identity",

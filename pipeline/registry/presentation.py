@@ -44,10 +44,11 @@ def headline(tags: dict[str, str]) -> str:
     verdict = tags.get("validation.verdict") or "unknown"
     if verdict != "pass":
         return f"NOT SHIPPABLE: validation {verdict}; `pipeline publish` refuses it (`pipeline validate` says why)"
+    if tags.get("published.path"):  # shipped: also a gated version someone shipped with --force
+        forced = " (past the gate: shipped with --force)" if tags.get(GATE_VERDICT_TAG) == "gated" else ""
+        return f"PUBLISHED to {tags['published.path']} at {tags.get('published.time') or '?'}{forced}"
     if tags.get(GATE_VERDICT_TAG) == "gated":
         return f"GATED, stays candidate: {tags.get(GATE_REASON_TAG) or 'no reason recorded'}"
-    if tags.get("published.path"):
-        return f"PUBLISHED to {tags['published.path']} at {tags.get('published.time') or '?'}"
     return "candidate: validation pass, not published yet"
 
 
@@ -88,7 +89,9 @@ def model_summary(name: str, aliases: dict[str, int], tags_of: dict[int, dict[st
     else:
         lines.append("production: none (nothing shipped yet)")
     if cand is not None and cand != prod:
-        gated = tags_of.get(cand, {}).get(GATE_VERDICT_TAG) == "gated"
+        gated = tags_of.get(cand, {}).get(GATE_VERDICT_TAG) == "gated" and not tags_of.get(cand, {}).get(
+            "published.path"
+        )
         tags["candidate"] = f"v{cand}" + (" gated" if gated else "")
         why = tags_of.get(cand, {}).get(GATE_REASON_TAG)
         lines.append(f"candidate: v{cand}" + (f", gated: {why}" if gated else ", not published"))

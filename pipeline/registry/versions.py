@@ -82,11 +82,17 @@ def version_tags(
 ) -> dict[str, str]:
     """Tags every version carries: the description's facts, machine-searchable.
 
-
-    e.g. `client.search_model_versions("tags.`validation.verdict` = 'pass'")`.
+    e.g. `client.search_model_versions("tags.`validation.verdict` = 'pass'")`. In the order an
+    operator reads them: the MLflow UI lists a version's tags in the order they were set, and its
+    versions table shows only the first few (the verdict and the loss, then the lineage).
     """
     base, m = manifest.base_model, manifest.metrics
-    tags = {
+    figures = m.figures()
+    tags = {"validation.verdict": report.get("verdict", "unknown")}
+    for k in METRIC_TAGS:
+        if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool):
+            tags[k] = exact(figures[k])
+    tags |= {
         "base_model": str(base.id),
         "base_revision": base.revision or "",
         "base_fingerprint": base.fingerprint or "",
@@ -95,7 +101,6 @@ def version_tags(
         "served_model": cfg.served.model,
         "dataset_fingerprint": manifest.dataset.fingerprint or "",
         "weights_sha256": manifest.weights_sha256,
-        "validation.verdict": report.get("verdict", "unknown"),
         "validation.weights_sha256": str(report.get("weights_sha256")),
         "lora_r": str(manifest.adapter.r),
         "lora_alpha": str(manifest.adapter.lora_alpha),
@@ -107,10 +112,6 @@ def version_tags(
         tags[FINGERPRINT_TAG] = fp
     if eval_set_digest(manifest):
         tags[EVAL_SET_TAG] = eval_set_digest(manifest)
-    figures = m.figures()
-    for k in METRIC_TAGS:
-        if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool):
-            tags[k] = exact(figures[k])
     return tags
 
 

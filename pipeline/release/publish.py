@@ -229,12 +229,7 @@ def _replaces(
         return prod
     if prod is None:
         return desired
-    shipped = []
-    for mv in registry.versions(cfg, name):
-        for k in mv.tags or {}:
-            if k.startswith(registry.EVENT_TAG_PREFIX) and k.rsplit(".", 1)[-1] in ("publish", "rollback"):
-                shipped.append((k[len(registry.EVENT_TAG_PREFIX) :], int(mv.version)))
-    before = [v for _, v in sorted(shipped) if v != target]
+    before = [v for v in registry.ship_history(registry.versions(cfg, name)) if v != target]
     return before[-1] if before else (desired if desired != target else None)
 
 

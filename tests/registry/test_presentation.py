@@ -4,6 +4,7 @@ description, rewritten from the registry's state after every change. The browser
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from pipeline import registry
@@ -23,6 +24,8 @@ def test_headline_answers_first():
     shipped = {"validation.verdict": "pass", "published.path": "/vol/a-v1", "published.time": "T"}
     assert headline(shipped) == "PUBLISHED to /vol/a-v1 at T"
     assert headline({"validation.verdict": "pass"}).startswith("candidate: validation pass, not published")
+    forced = {**gated, "published.path": "/vol/a-v2", "published.time": "T"}  # shipped with --force
+    assert headline(forced) == "PUBLISHED to /vol/a-v2 at T (past the gate: shipped with --force)"
     # the facts paragraph survives a new headline; the `Gate:` lines of older versions go
     assert body("GATED, stays candidate: x\n\nLoRA r=8 ...\nGate: gated: x") == "LoRA r=8 ..."
     assert (
@@ -67,7 +70,47 @@ def test_the_registry_keeps_them_current(registry_project, two_adapters, tiny_ba
         f"production: v1, published to {pub.path}\ncandidate: v2, gated: eval_loss 9.0"
     )
     assert c.get_model_version(name, "2").description.startswith("GATED, stays candidate: eval_loss 9.0")
-    publish(cfg, name, version=2, force=True)  # promoted by hand after all (a gated one needs --force)
+    publish(cfg, name, version=2, force=True)  # promoted by hand after all
     rm = c.get_registered_model(name)
     assert rm.tags["production"] == "v2" and "candidate" not in rm.tags
     assert "previous: v1" in rm.description
+    assert c.get_model_version(name, "2").description.startswith("PUBLISHED to ")
+
+
+def test_a_version_keeps_one_events_tag_not_one_tag_per_event(registry_project, two_adapters, tiny_base):
+    """The version page lists every tag in one box sorted by name: a tag per event (`event.<stamp>.<type>`
+    JSON) grew with every publish, rollout and rollback and pushed `published.path` below it."""
+    cfg = registry_project
+    name = f"ev-{uuid.uuid4().hex[:6]}"
+    register(cfg, two_adapters[0], tiny_base, name)
+    register(cfg, two_adapters[1], tiny_base, name)
+    for v in (1, 2, 1, 2):
+        publish(cfg, name, version=v)
+    c = registry.client(cfg)
+    for v in (1, 2):
+        tags = c.get_model_version(name, str(v)).tags
+        assert not [k for k in tags if k.startswith("event.")], sorted(tags)
+        assert [e["type"] for e in registry.events(c.get_model_version(name, str(v)))] == [
+            "publish",
+            "publish",
+        ]
+    assert registry.ship_history(registry.versions(cfg, name)) == [1, 2, 1, 2]
+    # a version written by an older pipeline (a tag per event) reads the same, in time order
+    from types import SimpleNamespace
+
+    old = SimpleNamespace(
+        version=3,
+        tags={
+            "event.20260101T000000.000001Z.publish": '{"type": "publish", "time": "2026-01-01T00:00:00+00:00"}',
+            "events": '[{"type": "rollback", "stamp": "20260102T000000.000000Z"}]',
+        },
+    )
+    assert [e["type"] for e in registry.events(old)] == ["publish", "rollback"]
+
+
+def test_the_events_tag_stays_bounded():
+    from pipeline.registry.events import MAX_EVENTS_CHARS, _bounded
+
+    items = [{"type": "rollout", "id": f"{i:012d}", "instances": ["i"] * 20} for i in range(500)]
+    text = _bounded(items)
+    assert len(text) <= MAX_EVENTS_CHARS and json.loads(text)[-1]["id"] == f"{499:012d}"
