@@ -43,6 +43,8 @@ localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');
 localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');
 """
 VIEWPORT = {"width": 1400, "height": 900}
+PROMO = "Flexible, governed deployments"  # the promo modal's title
+ASSISTANT = "Ask questions about your experiments"  # the Assistant panel's greeting
 
 
 @pytest.mark.slow
@@ -80,8 +82,8 @@ def test_the_ui_shows_production_the_gate_and_the_path_first(trained, tiny_base,
                 # first open: MLflow's own promo modal and Assistant panel (not ours to switch off)
                 page = browser.new_context(viewport=VIEWPORT, http_credentials=login).new_page()
                 page.goto(ui.model_url(server.url))
-                expect(page.get_by_text("new Model Registry UI").first).to_be_visible(timeout=90_000)
-                expect(page.get_by_text("MLflow Assistant").first).to_be_visible(timeout=30_000)
+                expect(page.get_by_text(PROMO).first).to_be_visible(timeout=90_000)
+                expect(page.get_by_text(ASSISTANT).first).to_be_visible(timeout=30_000)
                 page.screenshot(path=str(ARTIFACTS / "registry-first-open.png"))
                 page.close()
 
@@ -93,8 +95,8 @@ def test_the_ui_shows_production_the_gate_and_the_path_first(trained, tiny_base,
                 expect(row).to_contain_text(f"production: v{reg.version}", timeout=90_000)
                 expect(row).to_contain_text(str(pub.path))
                 expect(row).to_contain_text(f"candidate: v{gated} gated")
-                expect(page.get_by_text("new Model Registry UI")).to_have_count(0)
-                expect(page.get_by_text("MLflow Assistant")).to_have_count(0)
+                expect(page.get_by_text(PROMO)).to_have_count(0)
+                expect(page.get_by_text(ASSISTANT)).to_have_count(0)
                 page.screenshot(path=str(ARTIFACTS / "registry-model-list.png"))
 
                 page.goto(ui.model_url(server.url, name))

@@ -106,25 +106,25 @@ def test_publish_killed_between_its_event_and_summary_tags_gets_its_path(
 
     register_versions(cfg, name, release_adapters, 2)
     publish(cfg, name, version=1)
-    real = ev.set_version_tags
+    real = ev._append
 
-    def killed_after_event(cfg_, n, v, tags):
-        real(cfg_, n, v, tags)
-        if n == name and any(k.startswith(ev.EVENT_TAG_PREFIX) for k in tags):
-            raise Killed("after the event tag")
+    def killed_after_event(client, n, v, event, *a):
+        real(client, n, v, event, *a)
+        if n == name:
+            raise Killed("after the event")
 
     # as an older pipeline wrote it: the event first, then the summary tags (killed in between)
     monkeypatch.setattr(ev, "_set_summary", lambda *a, **k: None)
-    monkeypatch.setattr(ev, "set_version_tags", killed_after_event)
+    monkeypatch.setattr(ev, "_append", killed_after_event)
     with pytest.raises(Killed):
         publish(cfg, name, version=2)
     monkeypatch.undo()
-    tags = registry.client(cfg).get_model_version(name, "2").tags
-    assert "published.path" not in tags and any(k.startswith("event.") for k in tags)
+    mv = registry.client(cfg).get_model_version(name, "2")
+    assert "published.path" not in mv.tags and [e["type"] for e in registry.events(mv)] == ["publish"]
     publish(cfg, name, version=2)  # completes the killed transaction
-    tags = registry.client(cfg).get_model_version(name, "2").tags
-    assert tags["published.path"] == str(cfg.volume.path / f"{name}-v2")
-    assert sum(k.endswith(".publish") for k in tags if k.startswith("event.")) == 1
+    mv = registry.client(cfg).get_model_version(name, "2")
+    assert mv.tags["published.path"] == str(cfg.volume.path / f"{name}-v2")
+    assert [e["type"] for e in registry.events(mv)] == ["publish"]  # recorded once
 
 
 def test_summary_tags_are_written_before_the_event(cfg, release_adapters, name, monkeypatch):
@@ -132,22 +132,22 @@ def test_summary_tags_are_written_before_the_event(cfg, release_adapters, name, 
     ev = sys.modules["pipeline.registry.events"]
 
     register_versions(cfg, name, release_adapters, 1)
-    real = ev.set_version_tags
+    real = ev._append
 
-    def killed_at_event(cfg_, n, v, tags):
-        if n == name and any(k.startswith(ev.EVENT_TAG_PREFIX) for k in tags):
-            raise Killed("before the event tag")
-        real(cfg_, n, v, tags)
+    def killed_at_event(client, n, v, event, *a):
+        if n == name:
+            raise Killed("before the event")
+        real(client, n, v, event, *a)
 
-    monkeypatch.setattr(ev, "set_version_tags", killed_at_event)
+    monkeypatch.setattr(ev, "_append", killed_at_event)
     with pytest.raises(Killed):
         publish(cfg, name, version=1)
     monkeypatch.undo()
-    tags = registry.client(cfg).get_model_version(name, "1").tags
-    assert "published.path" in tags and not any(k.startswith("event.") for k in tags)
+    mv = registry.client(cfg).get_model_version(name, "1")
+    assert "published.path" in mv.tags and registry.events(mv) == []
     publish(cfg, name, version=1)
-    tags = registry.client(cfg).get_model_version(name, "1").tags
-    assert sum(k.endswith(".publish") for k in tags if k.startswith("event.")) == 1
+    mv = registry.client(cfg).get_model_version(name, "1")
+    assert [e["type"] for e in registry.events(mv)] == ["publish"]
 
 
 def test_follower_after_a_killed_publish_never_reverts_it(cfg, release_adapters, name):
