@@ -16,7 +16,7 @@ never prints). The formats follow kubectl's `-o` and gh's piped output:
 
 `--no-headers` drops the header line of `table`, `wide` and `tsv`. Messages about the data
 (drift, an unreadable fleet) are not rows: commands log them (stderr), so a pipe sees rows only.
-Every cell goes through `redact` (credentials in URIs never reach the terminal).
+Every cell goes through `pipeline.redact.redact` (the one redaction; the CLI's streams apply it too).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import typer
 
 from pipeline.cli._common import emit_json
 from pipeline.errors import UsageError
-from pipeline.registry.store import redact_uri as redact
+from pipeline.redact import redact
 
 
 class Output(StrEnum):

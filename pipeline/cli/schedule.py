@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from pipeline.cli._common import adapter_name, project_config
 from pipeline.errors import UsageError
 from pipeline.jobs.schedule import ScheduleSpec, emit
-from pipeline.registry.store import redact_uri
+from pipeline.redact import redact_uri
 
 app = typer.Typer(help="Scheduler manifests that call `pipeline run`.", no_args_is_help=True)
 
