@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pipeline.artifacts.bounded import MIB, BoundsError, load_yaml_file
 from pipeline.errors import ConfigError
-from pipeline.redact import redact_uri
+from pipeline.redact import add_secret, redact_uri
 from pipeline.serving.vllm import LORA_RANKS
 
 CONFIG_ENV = "PIPELINE_CONFIG"
@@ -108,7 +108,9 @@ class Instance(_Section):
         return http_base_url(v)
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        add_secret(key)  # never printed, whatever its variable is called (pipeline.redact)
+        return key
 
 
 class FleetSection(_Section):

@@ -33,7 +33,7 @@ import re
 import sys
 
 MASK = "***"
-MIN_SECRET_LEN = 4  # shorter values (`1`, `true`) are no secret worth mangling output for
+MIN_SECRET_LEN = 8  # shorter values (`1`, `true`, `root`) would mangle output: no secret is that short
 _SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|TOKEN|SECRET|_KEY)$", re.IGNORECASE)
 _NOT_SECRET = {"PIPELINE_WEBHOOK_SECRET_ENV"}  # names a variable, holds none
 # scheme://user:password@ -> scheme://***@ (as publish has always recorded a registry's URI in a

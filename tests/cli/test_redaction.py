@@ -35,6 +35,12 @@ def test_redact_masks_secret_variables_and_registered_values(monkeypatch):
     add_secret("instance-api-key-42")
     text = f"token {TOKEN}, key instance-api-key-42, user alice"
     assert redact(text) == "token ***, key ***, user alice"
+    # an instance's API key, read from a variable whose name says nothing (`api_key_env`)
+    from pipeline.config import Instance
+
+    monkeypatch.setenv("VLLM0_AUTH", "vllm-key-0123456789")
+    assert Instance(name="vllm-0", url="http://h:1", api_key_env="VLLM0_AUTH").api_key()
+    assert redact("Authorization: Bearer vllm-key-0123456789") == "Authorization: Bearer ***"
 
 
 def test_the_stream_redacts_whatever_writes_to_it(capsys):
