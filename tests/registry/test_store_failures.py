@@ -239,53 +239,75 @@ def test_status_reads_while_another_process_writes(tmp_path):
 
 
 # -- issue 30 kind 8: other programs' tracebacks and states ----------------------------------------------
+@pytest.fixture(scope="module")
+def shared_store(release_adapters):
+    """A store with one version, under a directory user `nobody` may traverse; and a copy of it in a
+    second project (for the test that breaks its store)."""
+    import os
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="pipeline-store-failures.", dir="/tmp"))
+    base.chmod(0o755)
+    cfg = new_project(base / "shared")
+    register_versions(cfg, "agent", release_adapters, 1)
+    other = new_project(base / "copy")
+    other.state_dir.mkdir(parents=True)
+    shutil.copy2(cfg.state_dir / "mlflow.db", other.state_dir / "mlflow.db")
+    for p in (base / "shared", cfg.state_dir):
+        p.chmod(0o755)
+    yield cfg, other
+    if os.path.exists(base):
+        shutil.rmtree(base)
+
+
 _MID_TRANSACTION = r"""
 import sqlite3, sys
 from pipeline.release import transaction
 from pipeline.cli import app
 
-db, how = sys.argv[1], sys.argv[2]
+db = sys.argv[1]
 
 def hook(point):  # the store check has passed; the store breaks before MLflow's next query
     if point == "after-intent":
         c = sqlite3.connect(db, isolation_level=None)
-        if how == "locked":
-            c.execute("BEGIN EXCLUSIVE")  # held until the process ends
-            hook.keep = c
-        else:
-            c.execute("DROP TABLE registered_model_aliases")
-            c.close()
+        c.execute("DROP TABLE registered_model_aliases")
+        c.close()
 
 transaction.hook = hook
-sys.exit(app(sys.argv[3:], prog_name="pipeline"))
+sys.exit(app(sys.argv[2:], prog_name="pipeline"))
 """
 
 
-def _mid_transaction(cfg, how: str, *args):
+def test_mlflow_logs_no_traceback_when_the_store_fails_mid_transaction(shared_store):
+    """The issue's instance (a store locked mid-transaction) takes MLflow's 20 s sqlite busy timeout to
+    fail; a store broken mid-transaction fails at once through the same MLflow code
+    (mlflow/store/db/utils.py, `_logger.exception` on OperationalError): two tracebacks, then our
+    clean error. Now the clean error alone (`--verbose` keeps MLflow's log: the next test)."""
     import os
     import subprocess
     import sys
 
     from tests.support.helpers import REPO
 
+    _, cfg = shared_store
     env = {**os.environ, "PIPELINE_CONFIG": str(cfg.source), "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-c", _MID_TRANSACTION, str(cfg.state_dir / "mlflow.db"), how, *args],
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _MID_TRANSACTION,
+            str(cfg.state_dir / "mlflow.db"),
+            "publish",
+            "agent",
+            "--version",
+            "1",
+        ],
         capture_output=True,
         text=True,
         env=env,
         timeout=240,
     )
-
-
-def test_mlflow_logs_no_traceback_when_the_store_fails_mid_transaction(tmp_path, release_adapters):
-    """The issue's instance (a store locked mid-transaction) takes MLflow's 20 s sqlite busy timeout to
-    fail; a store broken mid-transaction fails at once through the same MLflow code
-    (mlflow/store/db/utils.py, `_logger.exception` on OperationalError): two tracebacks, then our
-    clean error. Now the clean error alone; `--verbose` still shows MLflow's log."""
-    cfg = new_project(tmp_path)
-    register_versions(cfg, "agent", release_adapters, 1)
-    r = _mid_transaction(cfg, "broken", "publish", "agent", "--version", "1")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().startswith("error: the MLflow store") and "no such table" in r.stderr
 
@@ -325,6 +347,8 @@ def test_a_third_party_logger_prints_its_message_without_traceback(capfd):
 
 def _hot_journal(db):
     """SIGKILL a writer of `db` mid-commit: its rollback journal is left behind, hot."""
+    forget_mlflow_engines()
+    store._checked.clear()
     import subprocess
     import sys
 
@@ -339,12 +363,10 @@ def _hot_journal(db):
     assert (db.parent / f"{db.name}-journal").stat().st_size > 0
 
 
-def test_readers_handle_the_hot_journal_of_a_killed_writer(tmp_path, release_adapters):
+def test_readers_handle_the_hot_journal_of_a_killed_writer(shared_store):
     """The issue's instance: after a writer was killed mid-commit, read-only commands failed with
     'database is read-only here' (and a wrong fix). The reader rolls the journal back and reads."""
-    cfg = new_project(tmp_path)
-    register_versions(cfg, "agent", release_adapters, 1)
-    forget_mlflow_engines()
+    cfg, _ = shared_store
     db = cfg.state_dir / "mlflow.db"
     _hot_journal(db)
     for args in (["status", "--json"], ["fleet", "status"]):
@@ -355,7 +377,7 @@ def test_readers_handle_the_hot_journal_of_a_killed_writer(tmp_path, release_ada
     assert '"name": "agent"' in _cli(cfg, "status", "--json").output
 
 
-def test_a_reader_that_cannot_roll_back_is_told_who_must(tmp_path, release_adapters):
+def test_a_reader_that_cannot_roll_back_is_told_who_must(shared_store):
     """Sibling: the same journal met by another user (who may read, not write): one error naming the
     journal and what the store's owner runs, not 'read-only here: make it writable'."""
     import os
@@ -367,17 +389,9 @@ def test_a_reader_that_cannot_roll_back_is_told_who_must(tmp_path, release_adapt
 
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("switching to user nobody needs root and setpriv (util-linux)")
-    import tempfile
-
-    base = Path(tempfile.mkdtemp(prefix="pipeline-hot-journal.", dir="/tmp"))  # traversable by nobody
-    root = base / "shared"
-    cfg = new_project(root)
-    register_versions(cfg, "agent", release_adapters, 1)
-    forget_mlflow_engines()
+    cfg, _ = shared_store
     db = cfg.state_dir / "mlflow.db"
     _hot_journal(db)
-    for p in (base, root, cfg.state_dir):
-        p.chmod(0o755)
     db.chmod(0o644)  # readable by others (a shared read-only store), writable by its owner only
     (db.parent / "mlflow.db-journal").chmod(0o644)
     env = {
@@ -402,6 +416,8 @@ def test_a_reader_that_cannot_roll_back_is_told_who_must(tmp_path, release_adapt
         env=env,
         timeout=120,
     )
-    shutil.rmtree(base)
+    db.chmod(0o600)
+    store._checked.clear()
+    assert _cli(cfg, "status").exit_code == 0  # the owner's next read rolls it back
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "hot journal" in r.stderr and "as the store's owner (uid 0)" in r.stderr, r.stderr
