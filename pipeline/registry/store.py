@@ -380,6 +380,14 @@ def experiment_id(cfg: ProjectConfig) -> str:
     return ensure_experiment(cfg, mlflow_for(cfg))
 
 
+def initialised(cfg: ProjectConfig) -> bool:
+    """This project created the store's schema and experiment already (`mlflow_for`'s marker), and
+    an embedded database is still there: no need to import mlflow (~2 s) to make sure."""
+    uri = cfg.tracking_uri
+    p = _sqlite_path(uri) if uri.startswith("sqlite:") else None
+    return _marker(cfg, uri).exists() and (p is None or p.exists())
+
+
 def flatten_params(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for k, v in d.items():

@@ -212,7 +212,10 @@ def start(cfg: ProjectConfig, host: str = "127.0.0.1", port: int = 5000, timeout
 
     if registry.is_server_uri(cfg.tracking_uri):
         raise UsageError(f"the registry is a server already ({cfg.tracking_uri}): open it in a browser")
-    registry.experiment_id(cfg)  # initialise schema + experiment under the lock
+    if registry.initialised(cfg):  # the usual case: no mlflow import here (~2 s) before the server's own
+        registry.keep_private(cfg)
+    else:
+        registry.experiment_id(cfg)  # initialise schema + experiment under the lock
     port = port or free_port(host)
     with socket.socket() as s:
         if s.connect_ex((host, port)) == 0:
