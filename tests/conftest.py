@@ -67,7 +67,6 @@ def trained(tmp_path_factory, tiny_base):
             ],
             name="agent-tools",
             show_progress=False,
-            echo=lambda *a: None,
         )
     finally:
         os.chdir(cwd)

@@ -101,7 +101,6 @@ def served_base(
         calib_data=calib_data,
         max_seq_len=max_seq_len,
         max_shard_size=f"{int(shard_gb * 1000)}MB",
-        echo=typer.echo,
     )
 
 

@@ -9,12 +9,15 @@ work (recipe and sources there); this module writes OUT whole and records what w
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from pathlib import Path
 
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.manifest import MANIFEST, file_hashes, package_versions
 from pipeline.dev.output import write_whole
 from pipeline.merge.quantize import DEFAULT_MAX_SEQ_LEN, load_calibration, quantize_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def build_served_base(
@@ -25,7 +28,6 @@ def build_served_base(
     calib_data: Path | None = None,
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
     max_shard_size: str = "5GB",
-    echo=print,
 ) -> dict:
     """Quantize the bf16 checkpoint `src` into the served format at `out`; returns the manifest.
 
@@ -42,7 +44,6 @@ def build_served_base(
             calibration_source=source,
             max_seq_len=max_seq_len,
             max_shard_size=max_shard_size,
-            echo=echo,
         )
         manifest = {
             "schema": 1,
@@ -53,5 +54,5 @@ def build_served_base(
             "versions": package_versions(("nvidia-modelopt", "transformers", "torch", "lora-pipeline")),
         }
         write_json_atomic(partial / MANIFEST, manifest)
-    echo(f"served checkpoint in {out}")
+    log.info("served checkpoint in %s", out)
     return manifest

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -75,6 +76,9 @@ DEFAULT_CALIBRATION = (
     "You are a helpful assistant. Plan a three-day trip to Kyoto with a budget.",
     "Explain the difference between a list and a tuple, with an example of each.",
 )
+
+
+log = logging.getLogger(__name__)
 
 
 def modelopt_version() -> str:
@@ -182,7 +186,6 @@ def quantize_checkpoint(
     calibration_source: str = "builtin prompts",
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
     max_shard_size: str = DEFAULT_SHARD,
-    echo=None,
 ) -> dict:
     """Quantize the bf16 checkpoint `src` into `out` (an empty or new directory) as the fleet's NVFP4 + MTP format.
 
@@ -226,7 +229,7 @@ def quantize_checkpoint(
         raise UsageError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} is not empty: the export writes a new directory")
-    say = echo or (lambda _m: None)
+    say = log.info
     t0 = time.time()
 
     import modelopt.torch.quantization as mtq

@@ -363,7 +363,6 @@ def train(
     launcher_args: list[str] = (),
     strategy: str = "auto",
     show_progress: bool | str = True,
-    echo=None,
     run_dir: Path | None = None,
 ) -> TrainResult:
     """Check, train with axolotl, and write `adapter/` + `manifest.json` in a new run directory.
@@ -378,7 +377,7 @@ def train(
         TrainError: axolotl exited non-zero or produced no adapter (the run directory keeps
             train.log; no adapter/manifest is written, so nothing downstream can pick it up).
     """
-    echo = echo or log.info
+    echo = log.info  # progress and stage messages: the `pipeline.train.launch` logger
     t0 = time.time()
     name = check_name(
         name or default_name(Path(config_path).stem),
