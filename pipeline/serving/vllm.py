@@ -42,6 +42,10 @@ QWEN35_MODULES = {
 # Embedding-type modules (vLLM `embedding_modules`; other architectures name them wte/embedding):
 # a hot-loading fleet does not serve LoRA on them unless it opts in (fleet.allow_embedding_targets).
 EMBEDDING_MODULES = {"embed_tokens", "lm_head", "embedding", "wte"}
+# Tensors vLLM skips when it loads an adapter (vllm/lora/utils.py `is_base_embedding_weights`, every version read):
+# the copies of the base embedding / lm_head that peft's save_pretrained writes whenever embed_tokens or lm_head is
+# targeted (`save_embedding_layers="auto"`, peft/utils/save_and_load.py).
+BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 # safetensors dtypes of LoRA weights vLLM loads (bf16/fp16/fp32).
 ALLOWED_DTYPES = {"BF16", "F16", "F32"}
 # Quantization algorithms of served checkpoints whose packed shapes the pipeline can unpack.

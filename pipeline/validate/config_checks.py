@@ -15,7 +15,14 @@ from pipeline.artifacts.peft_match import matching_entries
 from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, REFUSED_CONFIG_KEYS
 from pipeline.validate.facts import AdapterFacts, Facts, TrainFacts
 from pipeline.validate.lora_view import AXOLOTL_NAMES
-from pipeline.validate.peft_features import lora_config_fields, mutates_base, peft_version, variant_fields
+from pipeline.validate.peft_features import (
+    known_init,
+    known_init_names,
+    lora_config_fields,
+    mutates_base,
+    peft_version,
+    variant_fields,
+)
 from pipeline.validate.rules import Issue, Unavailable, check
 
 BOTH = ("adapter", "train")
@@ -242,12 +249,26 @@ def bias(ctx: Facts):
     "config.init",
     "error",
     "`init_lora_weights` is an init whose peft method rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ, "
-    "LoRA-GA; derived from peft's LoraLayer: `pipeline.validate.peft_features`)",
+    "LoRA-GA), or a string peft does not know (peft raises at load, vLLM 0.32+ refuses it); derived from peft's "
+    "LoraLayer: `pipeline.validate.peft_features`",
     scopes=BOTH,
 )
 def init(ctx: Facts):
     lv = ctx.lora
     v = lv.get("init_lora_weights", True)
+    if not known_init(v):
+        yield Issue(
+            f"{lv.name('init_lora_weights')} = {v!r} is no init peft {peft_version()} knows (peft/tuners/lora/layer.py "
+            f"LoraLayer: true, false, {', '.join(known_init_names())}): peft raises `Unknown initialization` when it creates or loads the adapter, and vLLM 0.32+ "
+            "refuses it at load (lora/peft_helper.py _init_is_supported); "
+            + (
+                f"remove {lv.name('init_lora_weights')}"
+                if lv.kind == "train"
+                else "set it to the init the adapter was trained with (true for plain LoRA)"
+            ),
+            lv.source,
+        )
+        return
     method = mutates_base(v)
     if method:
         fix = (

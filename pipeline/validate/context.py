@@ -39,7 +39,7 @@ from pipeline.artifacts.safetensors import (
     read_safetensors_header,
 )
 from pipeline.errors import PipelineError
-from pipeline.serving.vllm import ALLOWED_DTYPES, QWEN35_MODULES
+from pipeline.serving.vllm import ALLOWED_DTYPES, BASE_EMBEDDING_SUFFIXES, QWEN35_MODULES
 from pipeline.validate import behaviour as behaviour_eval
 from pipeline.validate import template
 from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer
@@ -122,6 +122,46 @@ def sampled_frobenius(path: Path, info: TensorInfo, rows: int = BASE_SAMPLE_ROWS
     if not picks or not math.isfinite(sq):  # a non-finite base weight: no norm to compare with
         return None
     return (sq / len(picks) * out_f) ** 0.5
+
+
+def _row(data, info: TensorInfo, i: int):
+    """Row `i` of a 2-D float tensor of the memory-mapped weights file, as float32."""
+    import numpy as np
+
+    per = {"BF16": 2, "F16": 2, "F32": 4}[info.dtype]
+    n = info.shape[1] * per
+    return _floats(np.asarray(data[info.offset + i * n : info.offset + (i + 1) * n]).tobytes(), info.dtype)
+
+
+def _pread_row(path: Path, info: TensorInfo, i: int):
+    per = {"BF16": 2, "F16": 2, "F32": 4}[info.dtype]
+    n = info.shape[1] * per
+    try:
+        with open(path, "rb") as f:
+            raw = os.pread(f.fileno(), n, info.offset + i * n)
+    except OSError:
+        return None
+    return _floats(raw, info.dtype) if len(raw) == n else None
+
+
+def _floats(raw: bytes, dtype: str):
+    import numpy as np
+
+    if dtype == "BF16":
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(raw, dtype="<f2" if dtype == "F16" else "<f4").astype(np.float32)
+
+
+def _round_to(v, dtype: str):
+    """float32 values rounded to `dtype` (round to nearest even), back in float32."""
+    import numpy as np
+
+    if v is None or dtype == "F32":
+        return v
+    if dtype == "F16":
+        return v.astype(np.float16).astype(np.float32)
+    u = v.view(np.uint32)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
 
 
 @dataclass(frozen=True)
@@ -251,8 +291,45 @@ class Context(CheckpointFacts, TemplateFacts):
     # -- tensors by module -------------------------------------------------------------------------------------------
     @cached_property
     def unknown_tensors(self) -> list[str]:
-        """Tensors that are no LoRA factor at all."""
-        return [n for n in self.header if parse_key(n) is None and lora_key_form(n) is None]
+        """Tensors that are no LoRA factor at all (nor a base embedding copy vLLM skips: `base_copies`)."""
+        return [
+            n
+            for n in self.header
+            if parse_key(n) is None and lora_key_form(n) is None and n not in self.base_copies
+        ]
+
+    @cached_property
+    def base_copies(self) -> dict[str, TensorInfo]:
+        """peft's copies of the base embed_tokens / lm_head weight (`...embed_tokens.base_layer.weight`), which vLLM
+        skips at load (vllm/lora/utils.py is_base_embedding_weights): {tensor: info}."""
+        return {n: i for n, i in self.header.items() if n.endswith(BASE_EMBEDDING_SUFFIXES)}
+
+    def base_copy_difference(self, name: str) -> str | None:
+        """How a base copy differs from the base's own weight (shape, or values in sampled rows compared in the
+        coarser of the two dtypes), or None when it is the base's weight. Unavailable without a base."""
+        import numpy as np
+
+        info = self.header[name]
+        module = "embed_tokens" if name.endswith(".embed_tokens.base_layer.weight") else "lm_head"
+        base = self.base
+        w = base.modules.get(module) or (base.modules.get("embed_tokens") if module == "lm_head" else None)
+        if w is None:
+            return f"the base has no {module} weight"
+        if list(info.shape) != list(w.shape):
+            return f"shape {list(info.shape)} vs the base's {module} {list(w.shape)}"
+        if info.dtype not in ALLOWED_DTYPES or w.dtype not in ALLOWED_DTYPES or len(w.shape) != 2:
+            return None if info.dtype == w.dtype else f"dtype {info.dtype} vs the base's {w.dtype}"
+        rows, cols = w.shape
+        picks = sorted({int(i) for i in np.linspace(0, rows - 1, min(BASE_SAMPLE_ROWS * 4, rows))})
+        coarse = min((info.dtype, w.dtype), key=lambda d: {"BF16": 0, "F16": 1, "F32": 2}[d])
+        for i in picks:
+            mine = _round_to(_row(self.data, info, i), coarse)
+            theirs = _round_to(_pread_row(base.path / w.file, w, i), coarse)
+            if theirs is None:
+                return None  # the base cannot be read here: base.unreadable says so
+            if not np.array_equal(mine, theirs, equal_nan=True):
+                return f"row {i} differs from the base's {module} (first of the sampled rows that do)"
+        return None
 
     @cached_property
     def malformed_tensors(self) -> dict[str, str]:

@@ -45,6 +45,42 @@ def unknown(ctx: AdapterFacts):
 
 
 @check(
+    "keys.base_copy",
+    "error",
+    "peft's copy of the base embed_tokens/lm_head (`...base_layer.weight`, saved when they are targeted) differs "
+    "from the base in shape or values: vLLM skips these tensors (lora/utils.py is_base_embedding_weights), so a "
+    "resized or trained embedding is not served; an exact copy is a warning (bytes nobody reads)",
+    severity_doc="error (warning for an exact copy)",
+)
+def base_copy(ctx: AdapterFacts):
+    copies = ctx.base_copies
+    if not copies:
+        return
+    exact = []
+    for name in sorted(copies):
+        why = ctx.base_copy_difference(name)
+        if why is None:
+            exact.append(name)
+            continue
+        yield Issue(
+            f"{name}: {why}. peft saved this copy of the base layer because embed_tokens/lm_head were targeted, and "
+            "would load it over the base; vLLM skips it (lora/utils.py is_base_embedding_weights) and serves the "
+            "base's own weights, so training and serving differ (a resized vocabulary or trained embeddings): "
+            "retrain on the served tokenizer with embed_tokens/lm_head adapted by LoRA only",
+            f"{ctx.wfile}:{name}",
+        )
+    if exact:
+        size = sum(copies[n].nbytes for n in exact)
+        yield Issue(
+            f"{len(exact)} copies of the base's embedding weights ({size:,} bytes, e.g. {exact[0]}): identical to the "
+            "base and skipped by vLLM (lora/utils.py is_base_embedding_weights), but copied to the registry and every "
+            "published version; re-save with save_pretrained(save_embedding_layers=False)",
+            f"{ctx.wfile}:{exact[0]}",
+            "warning",
+        )
+
+
+@check(
     "keys.grammar",
     "error",
     "a LoRA tensor name vLLM's parser refuses (`lora_A.default.weight`, `lora_A` without `.weight`...)",

@@ -12,7 +12,11 @@ from peft's files (`importlib.util.find_spec`, never executed), each parsed once
 - `base_mutating_inits()`: the `init_lora_weights` values whose init method (dispatched in
   `LoraLayer.update_layer`, peft/tuners/lora/layer.py) writes the base layer's weight (PiSSA, OLoRA,
   CorDA, LoftQ, LoRA-GA: `self.get_base_layer().weight.data = ...`): the trained adapter is relative to
-  a modified base, and vLLM serves it on the unmodified one.
+  a modified base, and vLLM serves it on the unmodified one;
+- `known_init()`: whether a string `init_lora_weights` is one peft dispatches at all (every test on the value in
+  `LoraLayer`, `update_layer` and `reset_lora_parameters`); any other string makes peft raise `ValueError:
+  Unknown initialization` when it creates or loads the adapter, and vLLM 0.32+ refuses it
+  (lora/peft_helper.py `_init_is_supported`).
 Source: peft 0.20 (`peft_version()`); `tests/validate/test_peft_features.py` pins what it derives.
 """
 
@@ -143,6 +147,36 @@ def _writes_base_weight(fn: ast.FunctionDef) -> bool:
                 if text in (f"{b}.weight", f"{b}.weight.data"):
                     return True
     return False
+
+
+@cache
+def init_values() -> frozenset[tuple[str, str]]:
+    """Every (value, "eq" | "prefix") `LoraLayer` tests `init_lora_weights` against (empty: peft not found)."""
+    cls = _class(_tree("tuners/lora/layer.py"), "LoraLayer")
+    if cls is None:
+        return frozenset()
+    return frozenset(c for n in ast.walk(cls) if isinstance(n, ast.If) and (c := _init_condition(n.test)))
+
+
+def known_init(init) -> bool:
+    """Whether peft dispatches this `init_lora_weights` (a bool always; a string only if some test of
+    `LoraLayer` names it, compared case-insensitively so that no value peft accepts is called unknown).
+    True when peft's source cannot be read (nothing to compare with)."""
+    if not isinstance(init, str):
+        return True
+    values = init_values()
+    low = init.lower()
+    return not values or any(
+        (how == "eq" and low == v.lower()) or (how == "prefix" and low.startswith(v.lower()))
+        for v, how in values
+    )
+
+
+def known_init_names() -> list[str]:
+    """The string inits peft knows, for messages: `'eva'`, `'pissa...'` (a prefix)."""
+    prefixes = {v for v, how in init_values() if how == "prefix"}
+    eq = {v for v, how in init_values() if how == "eq"} - prefixes
+    return sorted([f"'{v}'" for v in eq] + [f"'{v}...'" for v in prefixes])
 
 
 @cache

@@ -139,36 +139,64 @@ def shape(ctx: AdapterFacts):
             )
 
 
+# Per-tensor scales that vLLM 0.19's NVFP4 linear methods create with `torch.empty`, one slot per output shard
+# (PerTensorScaleParameter): ModelOpt NVFP4 (`weight_scale_2`, `input_scale`; also the NVFP4 layers of a
+# MIXED_PRECISION export: quantization/modelopt.py) and compressed-tensors NVFP4 (`weight_global_scale`,
+# `input_global_scale`: compressed_tensors_w4a4_nvfp4.py, _w4a16_nvfp4.py). FP8 per-tensor scales are filled with
+# finfo.min and a fused module is requantized with the one loaded scale (requantize_with_max_scale): not affected.
+NVFP4_GLOBAL_SCALES = (".weight_scale_2", ".weight_global_scale")
+
+
+def _nvfp4_in_proj_qkv(served) -> list[str]:
+    """The served tensors that make a linear_attn.in_proj_qkv an NVFP4 layer with a per-tensor global scale."""
+    out = []
+    for m, t in served.modules.items():
+        if not m.endswith("linear_attn.in_proj_qkv") or t.dtype not in ("U8", "I8"):
+            continue
+        stem = t.name.rsplit(".", 1)[0]
+        out += [stem + s for s in NVFP4_GLOBAL_SCALES if stem + s in served.tensors]
+    return out
+
+
 @check(
     "served.nvfp4_gdn_scales",
     "error",
-    "vLLM 0.19.x with LoRA enabled and a ModelOpt NVFP4 checkpoint whose `linear_attn` is quantized: "
-    "`in_proj_qkv` per-tensor scales fill one slot, every request is served wrong (PR #38517, fixed in 0.20.0)",
+    "vLLM 0.19.x with LoRA enabled and an NVFP4 checkpoint (ModelOpt NVFP4 or MIXED_PRECISION, compressed-tensors "
+    "NVFP4) whose `linear_attn.in_proj_qkv` is quantized: its per-tensor scales fill one slot, every request is "
+    "served wrong (PR #38517, fixed in 0.20.0)",
 )
 def nvfp4_gdn_scales(ctx: AdapterFacts):
     """With --enable-lora, 0.19.x builds in_proj_qkv as its own 3-slice layer (qwen3_5.py
-    create_in_proj_qkvz=False) and the ModelOpt NVFP4 loader fills one of its three per-tensor scale slots:
-    the base weights of every Gated-DeltaNet layer are wrong for every request on the instance, the base's
-    and every adapter's alike, whatever modules this adapter adapts. No adapter can fix it: the fleet must."""
+    create_in_proj_qkvz=False) and loads its one fused per-tensor global scale into slot 0 of a 3-slot
+    PerTensorScaleParameter created with torch.empty (model_executor/layers/linear.py weight_loader_v2):
+    the NVFP4 kernels take the max over the slots, so the base weights of every Gated-DeltaNet layer are wrong
+    for every request on the instance, the base's and every adapter's alike, whatever modules this adapter
+    adapts. No adapter can fix it: the fleet must. Read from the tensors (a packed U8 weight with its global
+    scale), not from the quantization config's name: the same layer is NVFP4 in a ModelOpt MIXED_PRECISION
+    export and in compressed-tensors' nvfp4-pack-quantized format."""
     rng, served = ctx.vllm, ctx.served
-    if not rng.nvfp4_gdn_scale_bug or quant_algo(served) != "NVFP4":
+    if not rng.nvfp4_gdn_scale_bug:
         return
-    # Whether in_proj_qkv is quantized is read from its tensors (packed U8 weight), not guessed from the
-    # exclude patterns: modelopt's own export lists `...linear_attn.conv1d` / `in_proj_a` there while
-    # in_proj_qkv is NVFP4, which a "pattern mentions linear_attn" test took for an excluded linear_attn.
-    quantized = any(
-        t.dtype in ("U8", "I8") for m, t in served.modules.items() if m.endswith("linear_attn.in_proj_qkv")
-    )
-    if quantized:
+    # Whether in_proj_qkv is quantized is read from its tensors, not guessed from the exclude patterns:
+    # modelopt's own export lists `...linear_attn.conv1d` / `in_proj_a` there while in_proj_qkv is NVFP4.
+    scales = _nvfp4_in_proj_qkv(served)
+    if scales:
         yield Issue(
-            f"vLLM {ctx.rules.vllm_version} ({rng.name}) with --enable-lora loads this ModelOpt NVFP4 checkpoint's "
-            "linear_attn.in_proj_qkv with one per-tensor scale slot filled and the others uninitialised (upstream "
-            "PR #38517, fixed in 0.20.0): every request on these instances is served with wrong Gated-DeltaNet "
-            "weights, the base model's included, and no adapter change can fix it. Upgrade the fleet to vLLM "
-            "0.20.0 or later (then set fleet.vllm_version), or serve a checkpoint that keeps linear_attn "
-            "unquantized (hf_quant_config.json exclude_modules); --allow served.nvfp4_gdn_scales only where you "
-            "have measured the fleet's outputs",
-            str(served.path / "hf_quant_config.json"),
+            f"vLLM {ctx.rules.vllm_version} ({rng.name}) with --enable-lora loads this checkpoint's NVFP4 "
+            f"linear_attn.in_proj_qkv (quantization {quant_algo(served)}; e.g. {scales[0]}) with one per-tensor "
+            "scale slot filled and the others uninitialised (upstream PR #38517, fixed in 0.20.0): every request on "
+            "these instances is served with wrong Gated-DeltaNet weights, the base model's included, and no adapter "
+            "change can fix it. Upgrade the fleet to vLLM 0.20.0 or later (then set fleet.vllm_version), or serve a "
+            "checkpoint that keeps linear_attn unquantized (hf_quant_config.json exclude_modules); --allow "
+            "served.nvfp4_gdn_scales only where you have measured the fleet's outputs",
+            str(
+                served.path
+                / (
+                    "hf_quant_config.json"
+                    if (served.path / "hf_quant_config.json").is_file()
+                    else "config.json"
+                )
+            ),
         )
 
 

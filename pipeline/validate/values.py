@@ -177,7 +177,8 @@ def size_band(ctx: AdapterFacts):
     expected, params = ctx.expected_weights
     if expected is None:
         return
-    actual = ctx.wfile.stat().st_size
+    # peft's copies of the base embedding are not LoRA weights (vLLM skips them; keys.base_copy checks them)
+    actual = ctx.wfile.stat().st_size - sum(i.nbytes for i in ctx.base_copies.values())
     ctx.stats["expected_weights_bytes"] = expected
     if params == 0:
         return

@@ -283,6 +283,83 @@ def _served_tensors(fn):
     return edit
 
 
+def _mixed_precision(d):
+    """The served checkpoint as a ModelOpt MIXED_PRECISION export: every quantized linear listed as NVFP4."""
+    q = json.loads((d / "hf_quant_config.json").read_text())
+    layers = sorted({k[: -len(".weight_scale_2")] for k in _served_names(d) if k.endswith(".weight_scale_2")})
+    q["quantization"].update(
+        quant_algo="MIXED_PRECISION",
+        quantized_layers={m: {"quant_algo": "NVFP4", "group_size": 16} for m in layers},
+    )
+    (d / "hf_quant_config.json").write_text(json.dumps(q))
+
+
+def _served_names(d):
+    return json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def _compressed_tensors_nvfp4(d):
+    """The served checkpoint in compressed-tensors' nvfp4-pack-quantized naming (llm-compressor)."""
+    rename = {".weight_scale_2": ".weight_global_scale", ".input_scale": ".input_global_scale"}
+
+    def names(t):
+        packed = {k[: -len(".weight_scale_2")] for k in t if k.endswith(".weight_scale_2")}
+        out = {}
+        for k, v in t.items():
+            for old, new in (*rename.items(), (".weight", ".weight_packed")):
+                if k.endswith(old) and k[: -len(old)] in packed:
+                    k = k[: -len(old)] + new
+                    break
+            out[k] = v
+        return out
+
+    _served_tensors(names)(d)
+    (d / "hf_quant_config.json").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _two_more_rows(name, w):
+    import torch
+
+    return torch.cat([w, w[:2]]) if "lm_head" in name else w
+
+
+def _embedding_lora_saved_by_peft(change=None):
+    """embed_tokens + lm_head LoRA with the base-layer copies peft's save_pretrained writes when they are targeted
+    (`save_embedding_layers="auto"`), taken from the validation base; `change(name, tensor)` edits a copy."""
+
+    def fn(d, env):
+        import torch
+        from safetensors import safe_open
+
+        from pipeline.artifacts.checkpoint import read_checkpoint
+
+        base = read_checkpoint(env.tiny_vl_base)
+
+        def weight(module):
+            info = base.modules[module]
+            with safe_open(str(base.path / info.file), framework="pt") as f:
+                return f.get_tensor(info.name)
+
+        def add(t):
+            t["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.randn(8, 1024) * 0.02
+            t["base_model.model.model.embed_tokens.lora_embedding_B"] = torch.randn(128, 8) * 0.02
+            t["base_model.model.lm_head.lora_A.weight"] = torch.randn(8, 128) * 0.02
+            t["base_model.model.lm_head.lora_B.weight"] = torch.randn(1024, 8) * 0.02
+            for name, module in (
+                ("base_model.model.model.embed_tokens.base_layer.weight", "embed_tokens"),
+                ("base_model.model.lm_head.base_layer.weight", "lm_head"),
+            ):
+                w = weight(module).float()  # peft saves the model's dtype (fp32 here) of the bf16 weight
+                t[name] = change(name, w) if change else w
+
+        edit_tensors(d, add)
+
+    return fn
+
+
 def _corrupt_tokenizer_json(d):
     (d / "tokenizer.json").write_text('{"version": "1.0", "model": ')
 
@@ -495,6 +572,17 @@ CASES = [
     ),
     ("config.init", "error", ("config", {"init_lora_weights": "pissa_niter_16"}), {}, ["pissa_init"], {}),
     ("config.init", "error", ("config", {"init_lora_weights": "corda"}), {}, ["corda_init"], {}),
+    # an init string peft does not dispatch: peft raises at load, vLLM 0.32+ refuses it (_init_is_supported), the
+    # 0.19 fleet serves it as plain LoRA; sibling: the string "true" (not the boolean)
+    (
+        "config.init",
+        "error",
+        ("config", {"init_lora_weights": "kaiming_fancy"}),
+        {"vllm_version": NEW},
+        ["'kaiming_fancy' is no init peft", "Unknown initialization", "0.32+ refuses"],
+        {},
+    ),
+    ("config.init", "error", ("config", {"init_lora_weights": "true"}), {}, ["'true' is no init peft"], {}),
     (
         "config.unknown_field",
         "error",
@@ -652,6 +740,32 @@ CASES = [
         ("tensors", _add_pair("lm_head", (8, 128), (1024, 8))),
         {"allow_embedding_targets": True},
         ["no embedding LoRA", "0.19"],
+        {},
+    ),
+    # peft writes the base embed_tokens/lm_head next to their LoRA (`...base_layer.weight`); vLLM skips them, so one
+    # that is not the base's (trained or resized embeddings) is not served; an exact copy is bytes nobody reads
+    (
+        "keys.base_copy",
+        "error",
+        ("dir", _embedding_lora_saved_by_peft(lambda n, w: w + 0.01 if "embed_tokens" in n else w)),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["embed_tokens.base_layer.weight: row 0 differs", "is_base_embedding_weights"],
+        {},
+    ),
+    (
+        "keys.base_copy",
+        "error",
+        ("dir", _embedding_lora_saved_by_peft(_two_more_rows)),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["shape [1026, 128] vs the base's lm_head [1024, 128]"],
+        {},
+    ),
+    (
+        "keys.base_copy",
+        "warning",
+        ("dir", _embedding_lora_saved_by_peft()),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["identical to the base", "save_embedding_layers=False"],
         {},
     ),
     # issue 25.8: where the fleet serves embedding LoRA (0.32+), the vocabulary must match (vLLM raises at load);
@@ -907,6 +1021,31 @@ CASES = [
         ("dir", lambda d, e: _without_modules(d, ("in_proj_qkv", "in_proj_z"))),
         _served_nvfp4("0.19.1"),
         ["every request", "no adapter change"],
+        {},
+    ),
+    # the same NVFP4 in_proj_qkv under another quantization name: a ModelOpt MIXED_PRECISION export (NVFP4 layers
+    # per quantized_layers) and compressed-tensors' nvfp4-pack-quantized format (weight_packed +
+    # weight_global_scale: compressed_tensors_w4a4_nvfp4.py creates the same torch.empty slots)
+    (
+        "served.nvfp4_gdn_scales",
+        "error",
+        None,
+        lambda env: {
+            "served_path": _served_copy(env, "mixed-precision", _mixed_precision),
+            "vllm_version": "0.19.2",
+        },
+        ["MIXED_PRECISION", "#38517"],
+        {},
+    ),
+    (
+        "served.nvfp4_gdn_scales",
+        "error",
+        None,
+        lambda env: {
+            "served_path": _served_copy(env, "ct-nvfp4", _compressed_tensors_nvfp4),
+            "vllm_version": "0.19.2",
+        },
+        ["COMPRESSED-TENSORS", "weight_global_scale", "#38517"],
         {},
     ),
     # issue 25.6: the drafter reads mtp.* only; siblings: no MTP tensors at all, the MTP layer without mtp.fc

@@ -32,3 +32,12 @@ def test_lora_config_fields_include_the_base_config_and_not_kasa():
     } <= fields
     assert "kasa_config" not in fields
     assert pf.peft_version()
+
+
+def test_known_inits_are_every_value_peft_layer_tests():
+    """A string init no LoraLayer test names makes peft raise (reset_lora_parameters: Unknown initialization)
+    and vLLM 0.32+ refuse; every value peft dispatches (any case) is known."""
+    known = ("gaussian", "Gaussian", "eva", "orthogonal", "mica", "pissa", "pissa_niter_4", "corda", "olora")
+    assert all(pf.known_init(v) for v in (*known, "loftq", "lora_ga", True, False))
+    assert not any(pf.known_init(v) for v in ("kaiming", "true", "lora-ga", ""))
+    assert "'pissa...'" in pf.known_init_names() and "'gaussian'" in pf.known_init_names()

@@ -488,6 +488,20 @@ def test_embedding_lora_that_fits_passes_where_the_fleet_serves_it(adapter, tiny
     ]
 
 
+def test_embedding_lora_as_peft_saves_it_passes_where_the_fleet_serves_it(adapter, env):
+    """peft's save_pretrained writes the base embed_tokens/lm_head (`...base_layer.weight`) next to their LoRA;
+    vLLM skips them (lora/utils.py is_base_embedding_weights): not unknown tensors, not counted as LoRA bytes."""
+    from tests.validate.cases import _embedding_lora_saved_by_peft
+
+    _embedding_lora_saved_by_peft()(adapter, env)
+    rep = validate_adapter(
+        adapter, env.tiny_vl_base, FleetRules(allow_embedding_targets=True, vllm_version=NEW)
+    )
+    assert rep.passed, [(c.id, c.message) for c in rep.errors]
+    assert {"keys.unknown", "values.size_band", "adapter.size"}.isdisjoint(ids(rep))
+    assert ids(rep, "warning") == {"keys.base_copy", "served.unchecked"}
+
+
 def test_served_checkpoint_without_mtp_passes_a_fleet_that_does_not_draft(
     adapter, tiny_vl_base, served, tmp_path
 ):
