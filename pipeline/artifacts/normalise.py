@@ -145,14 +145,21 @@ def _rename_key(tensor: str, old: str, new: str) -> str:
     return head + new + stem[len(old) :] if stem.startswith(old) else tensor
 
 
+def _same_scale(old_cfg: AdapterConfig, old: str, new_cfg: AdapterConfig, new: str) -> bool:
+    return old_cfg.rank_for(old) == new_cfg.rank_for(new) and math.isclose(
+        old_cfg.scale_for(old), new_cfg.scale_for(new), rel_tol=REL_TOL
+    )
+
+
 def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
     """Rename decoder-layer keys the served class never applies into its layout (`model.layers.N` ->
     `model.language_model.layers.N` for `Qwen3_5ForConditionalGeneration`), in place.
 
-    Parity: every tensor's bytes are unchanged, each renamed module keeps its scale (pattern keys naming
-    the old prefix are renamed too, escaped or not) and PEFT's matching targets the same modules
-    (`target_modules` / `exclude_modules` entries renamed; a regex `target_modules`, matched against the
-    whole name, becomes the exact list of the adapter's modules). Returns the manifest
+    Parity: every tensor's bytes are unchanged, every module keeps its rank and scale (pattern keys naming
+    the old prefix are renamed too, escaped or not; a module whose pattern value a renamed key would still
+    change gets an exact entry of its own, first) and PEFT's matching targets the same modules
+    (`target_modules` / `exclude_modules` list entries renamed; a regex `target_modules` or `exclude_modules`,
+    matched against the whole name, becomes the exact list of the adapter's modules). Returns the manifest
     record, or None when nothing needed renaming. Raises ParityError (nothing written).
     """
     adapter_dir = Path(adapter_dir)
@@ -185,33 +192,42 @@ def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
     def moved(text: str) -> str:  # a name or a regex naming the old prefix (escaped or not)
         return text.replace(old_prefix, want).replace(re.escape(old_prefix), re.escape(want))
 
+    # every module of the adapter: its PEFT name before -> after (unrenamed modules keep theirs)
+    pairs = {
+        parse_key(n).peft_module: parse_key(renames.get(n, n)).peft_module for n in tensors if parse_key(n)
+    }
     for field_name in ("rank_pattern", "alpha_pattern"):
         if isinstance(raw.get(field_name), dict):
             raw[field_name] = {moved(k): v for k, v in raw[field_name].items()}
     targets_before = raw.get("target_modules")
     if isinstance(targets_before, list):
         raw["target_modules"] = [moved(t) for t in targets_before]
-    elif isinstance(targets_before, str) and targets_before != ALL_LINEAR:
-        # A regex is matched against the whole name: written for one class, it may match nothing in the other.
-        # The exact equivalent for this adapter is the list of its modules' new names (PEFT: an exact name
-        # targets that module); exclude_modules then has nothing left to exclude.
-        pairs = {
-            (parse_key(n).peft_module, parse_key(renames.get(n, n)).peft_module)
-            for n in tensors
-            if parse_key(n)
-        }
-        raw["target_modules"] = sorted(new for old, new in pairs if cfg.targets(old))
-        raw.pop("exclude_modules", None)
     if isinstance(raw.get("exclude_modules"), list):
         raw["exclude_modules"] = [moved(t) for t in raw["exclude_modules"]]
+    if (isinstance(targets_before, str) and targets_before != ALL_LINEAR) or isinstance(
+        raw.get("exclude_modules"), str
+    ):
+        # A regex (target_modules or exclude_modules) is matched against the whole name: written for one class,
+        # it may match nothing, or everything, in the other. The exact equivalent for this adapter is the list of
+        # its modules' new names (PEFT: an exact name targets that module); exclude_modules then has nothing
+        # left to exclude.
+        raw["target_modules"] = sorted(new for old, new in pairs.items() if cfg.targets(old))
+        raw.pop("exclude_modules", None)
     new_cfg = AdapterConfig(raw, cfg.path)
-    bad = []
-    for name, new in renames.items():
-        old_mod, new_mod = parse_key(name).peft_module, parse_key(new).peft_module
-        if not math.isclose(
-            cfg.scale_for(old_mod), new_cfg.scale_for(new_mod), rel_tol=REL_TOL
-        ) or cfg.targets(old_mod) != new_cfg.targets(new_mod):
-            bad.append(old_mod)
+    off = [old for old, new in pairs.items() if not _same_scale(cfg, old, new_cfg, new)]
+    if off:
+        # A pattern key `moved` cannot rewrite (`model[.]layers[.]3`, a class of prefixes...): exact entries for
+        # each module whose rank or alpha would change, first (peft and vLLM take the first matching key).
+        for field_name, value in (("rank_pattern", cfg.rank_for), ("alpha_pattern", cfg.alpha_for)):
+            if isinstance(raw.get(field_name), dict):
+                exact = {re.escape(pairs[old]): value(old) for old in off}
+                raw[field_name] = exact | {k: v for k, v in raw[field_name].items() if k not in exact}
+        new_cfg = AdapterConfig(raw, cfg.path)
+    bad = [
+        old
+        for old, new in pairs.items()
+        if not _same_scale(cfg, old, new_cfg, new) or cfg.targets(old) != new_cfg.targets(new)
+    ]
     if bad:
         raise ParityError(
             f"{cfg.path}: renaming changes the scale or targeting of {sorted(set(bad))[:5]}: left unchanged"

@@ -75,3 +75,15 @@ def runtime_target(peft_module: str, architecture: str, rng: VllmRange) -> Runti
 def served_key_prefix(architecture: str) -> str | None:
     """The adapter key prefix of decoder layers that `architecture` applies (None: not a Qwen3.5 class)."""
     return SERVED_KEY_PREFIX.get(architecture)
+
+
+def serving_class(architecture: str | None, rng: VllmRange, model_type: str | None = None) -> str | None:
+    """The class that serves the adapter: the served checkpoint's `architecture` when known, else, for a Qwen3.5
+    base (`model_type` qwen3_5...), the one class `rng` registers for qwen3_5 when it registers one (0.19-0.26:
+    `Qwen3_5ForConditionalGeneration` whatever the checkpoint says: model_executor/models/registry.py); None
+    when it cannot be known (0.27+ register both classes)."""
+    if architecture is not None:
+        return architecture
+    if not str(model_type or "").startswith("qwen3_5") or len(rng.qwen35_classes) != 1:
+        return None
+    return next(iter(rng.qwen35_classes))

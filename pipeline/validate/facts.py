@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from pipeline.artifacts.checkpoint import Checkpoint, read_checkpoint
 from pipeline.artifacts.manifest import AdapterManifest
+from pipeline.serving.modules import serving_class
 from pipeline.serving.versions import UnknownVllmVersion, VllmRange, rules_for
 
 if TYPE_CHECKING:  # annotations only: the report module imports nothing from here
@@ -112,7 +113,21 @@ class CheckpointFacts:
     @property
     def served_architecture(self) -> str | None:
         arch = self.served.config.get("architectures") or [None]
-        return arch[0]
+        return arch[0] if isinstance(arch, list) else arch
+
+    @property
+    def serving_architecture(self) -> str:
+        """The class the fleet serves the adapter with: the served checkpoint's, else (no served checkpoint
+        given) the one class the fleet's vLLM registers for a Qwen3.5 base (`serving.modules.serving_class`).
+        Unavailable when neither tells."""
+        if self.served_dir is not None:
+            return self.served_architecture
+        arch = serving_class(
+            None, self.vllm, self.base.text_config.get("model_type") or self.base.config.get("model_type")
+        )
+        if arch is None:
+            raise Unavailable
+        return arch
 
 
 class Facts(Protocol):
@@ -148,6 +163,8 @@ class Facts(Protocol):
     def served(self) -> Checkpoint: ...
     @property
     def served_architecture(self) -> str | None: ...
+    @property
+    def serving_architecture(self) -> str: ...
     # tokenizer and template (pipeline.validate.template.TemplateFacts)
     @property
     def served_tokenizer(self) -> Fact: ...

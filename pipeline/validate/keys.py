@@ -453,7 +453,9 @@ def mixed_layout(ctx: AdapterFacts):
     severity_doc="warning (error on a published directory)",
 )
 def served_layout(ctx: AdapterFacts):
-    rng, arch = ctx.vllm, ctx.served_architecture
+    """The served class is the served checkpoint's; without one, the only class the fleet's vLLM registers for
+    qwen3_5 (0.19-0.26: the VL class, whatever checkpoint the instances were started on)."""
+    rng, arch = ctx.vllm, ctx.serving_architecture
     prefix = served_key_prefix(arch)
     if prefix is None or arch not in rng.qwen35_classes:
         return
@@ -462,9 +464,14 @@ def served_layout(ctx: AdapterFacts):
         return
     mixed = len(wrong) < len(ctx.live())
     first = wrong[0].peft_module
+    inferred = (
+        f" (no served checkpoint given: {arch} is the only class vLLM {rng.name} registers for qwen3_5)"
+        if ctx.served_dir is None
+        else ""
+    )
     what = (
         f"{len(wrong)} of {len(ctx.live())} modules (e.g. {first}) are keyed in a layout {arch} never applies on "
-        f"vLLM {ctx.rules.vllm_version} ({rng.name}): they load with HTTP 200 and change nothing"
+        f"vLLM {ctx.rules.vllm_version} ({rng.name}){inferred}: they load with HTTP 200 and change nothing"
         + (" (the adapter mixes layouts)" if mixed else "")
         + f"; the served layout is {prefix}N"
     )

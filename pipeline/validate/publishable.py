@@ -21,6 +21,7 @@ from pipeline.artifacts.checkpoint import read_checkpoint
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.normalise import ParityError, normalise_for_serving
 from pipeline.errors import CheckFailed
+from pipeline.serving.modules import serving_class
 from pipeline.serving.versions import UnknownVllmVersion, rules_for
 from pipeline.validate import default_base, validate_adapter
 from pipeline.validate.report import FleetRules
@@ -80,6 +81,26 @@ def binding_differences(bound: dict, now: dict) -> list[str]:
     return out
 
 
+def _serving_class(cfg, stage: Path, rng) -> str | None:
+    """The class the fleet serves with: `served.path`'s `architectures`; without a served checkpoint, the only
+    class the fleet's vLLM registers for a Qwen3.5 base (`serving_class`: 0.19-0.26 serve the VL class whatever the
+    checkpoint, so text-layout keys must be renamed even when no served checkpoint is configured)."""
+    if cfg.served.path:
+        if not (Path(cfg.served.path) / "config.json").is_file():
+            return None
+        try:
+            arch = read_checkpoint(Path(cfg.served.path)).config.get("architectures") or [None]
+        except (FileNotFoundError, ValueError, OSError):
+            return None
+        return arch[0] if isinstance(arch, list) else arch
+    base = default_base(cfg, stage)
+    try:
+        bcfg = read_checkpoint(Path(base)).config if base else {}
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+    return serving_class(None, rng, (bcfg.get("text_config") or bcfg).get("model_type"))
+
+
 def prepare_for_fleet(cfg, tags: dict, stage: Path) -> dict:
     """Re-check if needed, then normalise `stage` (the copy about to be published) in place.
 
@@ -115,14 +136,8 @@ def prepare_for_fleet(cfg, tags: dict, stage: Path) -> dict:
         if "serving.version_unknown" not in allow:
             raise CheckFailed(f"{e}; nothing was published") from e
         return record
-    arch = None
-    if cfg.served.path and (Path(cfg.served.path) / "config.json").is_file():
-        try:
-            arch = (read_checkpoint(Path(cfg.served.path)).config.get("architectures") or [None])[0]
-        except (FileNotFoundError, ValueError, OSError):
-            arch = None
     try:
-        normalised = normalise_for_serving(stage, arch, rng)
+        normalised = normalise_for_serving(stage, _serving_class(cfg, stage, rng), rng)
     except ParityError as e:
         raise CheckFailed(
             f"{e}; the adapter cannot be served exactly as trained: nothing was published"

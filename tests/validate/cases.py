@@ -953,6 +953,24 @@ CASES = [
         ["mixes layouts"],
         {},
     ),
+    # without a served checkpoint the served class is still known where the version registers one for qwen3_5
+    # (0.19-0.26: the VL class): text-layout keys change nothing there (and publish renames them, test_normalise)
+    (
+        "keys.served_layout",
+        "warning",
+        None,
+        {"vllm_version": "0.19.2"},
+        ["no served checkpoint given", "only class vLLM 0.19 registers", "pipeline publish"],
+        {},
+    ),
+    (
+        "keys.served_layout",
+        "warning",
+        None,
+        {"vllm_version": "0.25.1"},
+        ["only class vLLM 0.21-0.26 registers"],
+        {},
+    ),
     (
         "keys.mixed_layout",
         "error",

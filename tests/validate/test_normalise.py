@@ -165,6 +165,34 @@ def test_publish_fixes_the_layout_of_the_demo_adapter(tmp_path, monkeypatch, tin
     assert again.passed and "keys.served_layout" not in {c.id for c in again.checks}
 
 
+def test_publish_without_a_served_checkpoint_renames_for_the_only_class(
+    tmp_path,
+    monkeypatch,
+    tiny_base,
+    good_adapter,  # noqa: F811 (fixture)
+):
+    """No served.path, fleet on 0.19: vLLM 0.19 serves qwen3_5 only as Qwen3_5ForConditionalGeneration, so the
+    text-layout keys would load and change nothing; validate says so and publish renames them all the same."""
+    from pipeline.validate import validate_with_config
+    from pipeline.validate.publishable import prepare_for_fleet
+
+    cfg = _project(tmp_path, monkeypatch, None)
+    cfg.base.path = tiny_base
+    stage = Path(shutil.copytree(good_adapter, tmp_path / "stage"))
+    rep = validate_with_config(cfg, stage, tiny_base)
+    assert rep.passed and "keys.served_layout" in {c.id for c in rep.warnings}
+    record = prepare_for_fleet(cfg, {"validation.report": json.dumps(rep.to_dict())}, stage)
+    assert record["normalised"]["layout"]["architecture"] == VL_CLASS
+    (stage / "manifest.json").write_text(json.dumps({"files": {}, "published": {"name": "x", "version": 1}}))
+    again = validate_adapter(stage, tiny_base, FleetRules.from_config(cfg))
+    assert again.passed and "keys.served_layout" not in {c.id for c in again.checks}
+    # 0.32 registers both classes: without a served checkpoint nothing is guessed
+    cfg32 = _project(tmp_path / "p32", monkeypatch, None, version="0.32.0")
+    cfg32.base.path = tiny_base
+    other = Path(shutil.copytree(good_adapter, tmp_path / "stage32"))
+    assert "layout" not in prepare_for_fleet(cfg32, {}, other).get("normalised", {})
+
+
 def test_publish_rechecks_a_verdict_bound_to_another_served_checkpoint(
     tmp_path, monkeypatch, tiny_base, tiny_vl_base
 ):
@@ -358,6 +386,11 @@ def _needs(step: str, good: Path, tmp: Path) -> Path:
         )
     elif step == "layout_regex":  # a regex matched against the whole (text-layout) name
         _set_config(d, target_modules=r"model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.[a-z_]+")
+    elif step == "layout_exclude_regex":  # a regex exclude_modules naming the old prefix (layer 0 left out)
+        _set_config(d, exclude_modules=r"model\.layers\.0\..*")
+        edit_tensors(d, lambda t: {k: v for k, v in t.items() if ".layers.0." not in k})
+    elif step == "layout_pattern_class":  # a pattern key the prefix rename cannot rewrite ([.] for \.)
+        _set_config(d, alpha_pattern={r"model[.]layers[.]1[.]mlp[.]down_proj": 32}, rank_pattern={})
     elif step == "patterns":
         _set_config(d, alpha_pattern={"down_proj": 160}, rank_pattern={"model.layers.3.self_attn.q_proj": 8})
     elif step == "safetensors_metadata":
@@ -369,6 +402,8 @@ REWRITES = {
     "base_model": "base_model",
     "layout": "layout",
     "layout_regex": "layout",
+    "layout_exclude_regex": "layout",
+    "layout_pattern_class": "layout",
     "patterns": "patterns",
     "safetensors_metadata": "safetensors_metadata",
 }
