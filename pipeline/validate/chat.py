@@ -23,6 +23,7 @@ from pipeline.errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"  # transformers CHAT_TEMPLATE_DIR: named templates
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -93,32 +94,58 @@ def _read_json(p: Path) -> dict:
     return d
 
 
-def read_template(d: Path) -> str | None:
-    """The chat template a directory ships: `chat_template.jinja`, else tokenizer_config.json's
-    `chat_template` (a string, or the entry named `default` of a list). Raises TokenizerError."""
+def _template_file(f: Path) -> str:
+    try:
+        text = read_bounded(f, ADAPTER_FILES[TEMPLATE_FILE], "a chat template").decode("utf-8")
+        check_template(text, str(f))
+    except (BoundsError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{f}: {e}" if isinstance(e, UnicodeDecodeError) else str(e)) from e
+    return text
+
+
+MAX_NAMED_TEMPLATES = 16  # additional_chat_templates/*.jinja read (a tokenizer ships one or two)
+
+
+def read_templates(d: Path) -> dict[str, str]:
+    """The chat templates a directory ships, by name, as transformers reads them (tokenization_utils_base.py
+    `from_pretrained`): `chat_template.jinja` ("default") and `additional_chat_templates/<name>.jinja`, which take
+    priority over tokenizer_config.json's `chat_template` (a string: "default"; a list of {name, template}).
+    Raises TokenizerError."""
     d = Path(d)
+    out: dict[str, str] = {}
     f = d / TEMPLATE_FILE
     if f.is_file() and not f.is_symlink():
-        try:
-            text = read_bounded(f, ADAPTER_FILES[TEMPLATE_FILE], "a chat template").decode("utf-8")
-            check_template(text, str(f))
-        except (BoundsError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{f}: {e}" if isinstance(e, UnicodeDecodeError) else str(e)) from e
-        return text
+        out["default"] = _template_file(f)
+    extra = d / TEMPLATE_DIR
+    if extra.is_dir() and not extra.is_symlink():
+        named = sorted(p for p in extra.glob("*.jinja") if p.is_file() and not p.is_symlink())
+        for p in named[:MAX_NAMED_TEMPLATES]:
+            out[p.name.removesuffix(".jinja")] = _template_file(p)
+    if out:
+        return out
     tc = d / "tokenizer_config.json"
-    if tc.is_file() and not tc.is_symlink():
-        t = _read_json(tc).get("chat_template")
-        if isinstance(t, list):
-            t = next(
-                (x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None
-            )
-        if isinstance(t, str):
-            try:
-                check_template(t, f"{tc}: chat_template")
-            except BoundsError as e:
-                raise TokenizerError(str(e)) from e
-        return t if isinstance(t, str) else None
-    return None
+    if not (tc.is_file() and not tc.is_symlink()):
+        return {}
+    t = _read_json(tc).get("chat_template")
+    if isinstance(t, str):
+        out = {"default": t}
+    elif isinstance(t, list):
+        out = {
+            x["name"]: x["template"]
+            for x in t[:MAX_NAMED_TEMPLATES]
+            if isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("template"), str)
+        }
+    for name, text in out.items():
+        try:
+            check_template(text, f"{tc}: chat_template {name}")
+        except BoundsError as e:
+            raise TokenizerError(str(e)) from e
+    return out
+
+
+def read_template(d: Path) -> str | None:
+    """The default chat template a directory ships (`read_templates`' "default"). Raises TokenizerError."""
+    return read_templates(d).get("default")
 
 
 def has_tokenizer(d: Path | None) -> bool:
@@ -134,6 +161,15 @@ class ChatTokenizer:
     special: dict[str, str] = field(default_factory=dict)  # bos_token/eos_token/... -> text
     template: str | None = None
     eos_ids: set[int] = field(default_factory=set)  # ids generation stops at (eos + generation_config)
+    templates: dict[str, str] = field(default_factory=dict)  # every named template ("default", "tool_use"...)
+
+    def template_for(self, tools) -> str | None:
+        """The template a request uses: "tool_use" when tools are passed and the tokenizer has one, else the
+        default (transformers `get_chat_template`, which vLLM calls with the request's tools: renderers/hf.py
+        resolve_chat_template)."""
+        if tools is not None and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        return self.template
 
     @classmethod
     def load(cls, d: Path) -> ChatTokenizer:
@@ -155,7 +191,8 @@ class ChatTokenizer:
                     t = _token_text(data.get(k))
                     if t is not None:
                         special[k] = t
-        ct = cls(d, tok, special, read_template(d))
+        templates = read_templates(d)
+        ct = cls(d, tok, special, templates.get("default"), templates=templates)
         if "eos_token" in special and (i := tok.token_to_id(special["eos_token"])) is not None:
             ct.eos_ids.add(i)
         gc = d / "generation_config.json"

@@ -300,8 +300,8 @@ def _safe_renderings(train, served, failed):
                 a = ttok.render_ids(
                     train.template, msgs, tools, add_generation_prompt=gen, enable_thinking=True
                 )
-                b = served.render_ids(
-                    served.template, msgs, tools, add_generation_prompt=gen, enable_thinking=True
+                b = served.render_ids(  # vLLM picks the tokenizer's "tool_use" template for requests with tools
+                    served.template_for(tools), msgs, tools, add_generation_prompt=gen, enable_thinking=True
                 )
             except Exception as e:  # noqa: BLE001 - jinja errors are findings
                 failed.append((label, f"{type(e).__name__}: {e}"))

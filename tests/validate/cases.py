@@ -240,6 +240,27 @@ def _tool_drift(t: str) -> str:
     return t.replace("'\\n<tool_response>\\n'", "'<tool_response>'")
 
 
+def _tool_use_template(form: str):
+    """A served checkpoint whose "tool_use" template (vLLM's choice for requests with tools) drifts: in
+    `additional_chat_templates/tool_use.jinja` (form "dir") or in tokenizer_config.json's list (form "list")."""
+
+    def fn(d):
+        default = (d / "chat_template.jinja").read_text()
+        if form == "dir":
+            (d / "additional_chat_templates").mkdir()
+            (d / "additional_chat_templates" / "tool_use.jinja").write_text(_tool_drift(default))
+            return
+        (d / "chat_template.jinja").unlink()
+        tc = json.loads((d / "tokenizer_config.json").read_text())
+        tc["chat_template"] = [
+            {"name": "default", "template": default},
+            {"name": "tool_use", "template": _tool_drift(default)},
+        ]
+        (d / "tokenizer_config.json").write_text(json.dumps(tc))
+
+    return fn
+
+
 def _genprompt_drift(t: str) -> str:
     i = t.rindex("{{- '<|im_start|>assistant\\n' }}")
     return (
@@ -1247,6 +1268,25 @@ CASES = [
         ("dir", _template_only(_tool_drift)),
         {},
         ["tool_call", "chat_template.jinja"],
+        {},
+    ),
+    # vLLM renders a request with tools through the tokenizer's "tool_use" template when it has one
+    # (transformers get_chat_template): a served tool_use template that differs from the training template
+    # diverges on tool conversations only; siblings: additional_chat_templates/ and tokenizer_config's list form
+    (
+        "template.divergence",
+        "error",
+        ("dir", _template_only(lambda t: t)),
+        _served_with("tool-use-dir", _tool_use_template("dir")),
+        ["tool_call", "tool-use-dir"],
+        {},
+    ),
+    (
+        "template.divergence",
+        "error",
+        ("dir", _template_only(lambda t: t)),
+        _served_with("tool-use-list", _tool_use_template("list")),
+        ["tool_call", "tool-use-list"],
         {},
     ),
     (

@@ -56,3 +56,24 @@ def test_a_bad_training_config_option_is_a_usage_error(tmp_path, text, says):
         tc.write_text(text)
     with pytest.raises(UsageError, match=says):
         validate_adapter(tmp_path, None, training_config=tc)
+
+
+@pytest.mark.parametrize("form", ["dir", "list"])
+def test_named_templates_are_the_ones_transformers_picks(tiny_base, tmp_path, form):
+    """A tokenizer with a "tool_use" template (additional_chat_templates/ or tokenizer_config's list): with tools
+    transformers (and vLLM, which asks it with the request's tools) renders through it, without tools the default."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.validate.cases import _tool_use_template
+
+    d = shutil.copytree(tiny_base, tmp_path / "tok")
+    _tool_use_template(form)(d)
+    hf, ours = AutoTokenizer.from_pretrained(str(d)), ChatTokenizer.load(d)
+    for name in ("tool_call", "plain"):
+        messages, tools = CONVERSATIONS[name]
+        want = hf.apply_chat_template(messages, tools=tools, tokenize=False, enable_thinking=True)
+        got = ours.render_ids(ours.template_for(tools), messages, tools, enable_thinking=True)
+        assert got == list(hf(want, add_special_tokens=False)["input_ids"]), name
+    assert ours.template_for(CONVERSATIONS["tool_call"][1]) != ours.template
