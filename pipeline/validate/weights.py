@@ -6,6 +6,10 @@ loaded (they can run code).
 
 from __future__ import annotations
 
+import os
+import zipfile
+from pathlib import Path
+
 from pipeline.artifacts.adapter import PICKLE_WEIGHTS, WEIGHTS_FILE
 from pipeline.serving.vllm import ALLOWED_DTYPES
 from pipeline.validate.facts import AdapterFacts
@@ -56,19 +60,48 @@ WEIGHT_SUFFIXES = (
 )
 
 
+def weights_format(p: Path) -> str | None:
+    """Why `p` holds weights: its name (a weights suffix, any case), or its first bytes whatever its name
+    (safetensors' 8-byte header length then `{`, a torch.save zip archive, a pickle, GGUF, NumPy); None if neither."""
+    if p.name.lower().endswith(WEIGHT_SUFFIXES):
+        return "by its name"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(16)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size:
+        return "a safetensors file by its content"
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(p) as z:
+                if any(n.endswith("data.pkl") for n in z.namelist()[:4096]):
+                    return "a torch.save archive by its content"
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return None
+        return None
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a pickle by its content"
+    if head.startswith((b"GGUF", b"\x93NUMPY")):
+        return "a GGUF/NumPy file by its content"
+    return None
+
+
 @check(
     "adapter.extra_weights",
     "error",
     "the adapter directory carries weight files besides `adapter_model.safetensors` (a base model's "
-    "`model.safetensors`, shards, MLflow's `persist_pretrained_model` layout...), listed in the manifest or not",
+    "`model.safetensors`, shards, MLflow's `persist_pretrained_model` layout...), listed in the manifest or not; "
+    "known by name (any case) or by content (safetensors, torch.save, pickle, GGUF, NumPy under another name)",
 )
 def extra_weights(ctx: AdapterFacts):
     own = {ctx.adapter_dir / WEIGHTS_FILE} | {ctx.adapter_dir / p for p in PICKLE_WEIGHTS}
-    extra = [p for p in ctx.scan.files if p.name.endswith(WEIGHT_SUFFIXES) and p not in own]
-    for p in extra:
+    extra = [(p, what) for p in ctx.scan.files if p not in own and (what := weights_format(p))]
+    for p, what in extra:
         rel = p.relative_to(ctx.adapter_dir)
         yield Issue(
-            f"{rel} ({p.stat().st_size:,} bytes) is a weights file, and an adapter directory carries one: "
+            f"{rel} ({p.stat().st_size:,} bytes, {what}) is a weights file, and an adapter directory carries one: "
             f"{WEIGHTS_FILE}. Register and publish would copy it to the registry and every instance's volume "
             "(a base model's weights are tens of GB); move it out of the adapter directory",
             str(p),
@@ -172,6 +205,9 @@ def weights_ambiguous(ctx: AdapterFacts):
         )
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # a Git LFS pointer file's first line
+
+
 @check(
     "weights.header",
     "error",
@@ -180,6 +216,18 @@ def weights_ambiguous(ctx: AdapterFacts):
 )
 def weights_header(ctx: AdapterFacts):
     for detail in _state(ctx, "header"):
+        try:
+            with open(ctx.wfile, "rb") as f:
+                lfs = f.read(len(LFS_POINTER)) == LFS_POINTER
+        except OSError:
+            lfs = False
+        if lfs:
+            yield Issue(
+                f"{ctx.wfile.name} is a Git LFS pointer (a few lines of text naming the real file), not the weights: "
+                "the repository was cloned or copied without `git lfs pull`; fetch the LFS objects and re-copy",
+                str(ctx.wfile),
+            )
+            continue
         yield Issue(f"{detail}; re-copy the file from the training output (or re-save it)", str(ctx.wfile))
     for detail in _state(ctx, "unreadable"):
         yield Issue(f"{detail}: check permissions and re-copy the file", str(ctx.wfile))

@@ -187,6 +187,20 @@ def _sparse(name: str, size: int):
     return fn
 
 
+def _torch_saved(name: str):
+    def fn(d, env):
+        import torch
+
+        torch.save({"w": torch.zeros(4)}, d / name)
+
+    return fn
+
+
+def _lfs_pointer(d, env):
+    size = (d / W).stat().st_size
+    (d / W).write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize {size}\n")
+
+
 def _weights_dir(d, env):
     (d / W).unlink()
     (d / W).mkdir()
@@ -486,6 +500,26 @@ CASES = [
         ["pretrained_model/model-00001-of-00001"],
         {},
     ),
+    # weights under a name that does not say so: a copy of the weights file renamed, a torch.save archive named
+    # .dat, a suffix in capitals; and a Git LFS pointer where the weights should be
+    (
+        "adapter.extra_weights",
+        "error",
+        ("dir", lambda d, env: shutil.copy2(d / W, d / "weights.backup")),
+        {},
+        ["weights.backup", "safetensors file by its content"],
+        {},
+    ),
+    ("adapter.extra_weights", "error", ("dir", _torch_saved("optim.dat")), {}, ["torch.save archive"], {}),
+    (
+        "adapter.extra_weights",
+        "error",
+        ("dir", lambda d, env: shutil.copy2(d / W, d / "ADAPTER_MODEL.SAFETENSORS")),
+        {},
+        ["ADAPTER_MODEL.SAFETENSORS"],
+        {},
+    ),
+    ("weights.header", "error", ("dir", _lfs_pointer), {}, ["Git LFS pointer", "git lfs pull"], {}),
     (
         "adapter.extra_weights",
         "error",
