@@ -208,12 +208,13 @@ class Ctx:
         print(f"[{self.elapsed:6.1f}s] {msg}", flush=True)
 
     # environments ------------------------------------------------------------------------------------------------
-    def pipeline_env(self) -> dict:
+    def pipeline_env(self, modelopt: bool = False) -> dict:
         """The environment of every `pipeline` / helper process.
 
-        GPU: the training bundle (`$TRAIN_SITE`, scripts/gpu/bundle.sh) and the checkout, then
-        `$EXTRA_SITE` (e.g. nvidia-modelopt's wheels, scripts/gpu/modelopt-requirements.txt) if set,
-        behind a shim that makes `import fla` fail (`WORK/nofla`): transformers then takes its torch
+        GPU: the training bundle (`$TRAIN_SITE`, scripts/gpu/bundle.sh) and the checkout; for the
+        processes that quantize (`modelopt=True`: `dev served-base`, `merge --quantize`) also
+        `$EXTRA_SITE` last (nvidia-modelopt + its deps, scripts/gpu/modelopt-requirements.txt; the
+        vLLM bundle carries them: vllm_call.sh defaults it to `$VLLM_SITE`), all behind a shim that makes `import fla` fail (`WORK/nofla`): transformers then takes its torch
         Gated-DeltaNet path (`use_kernel_func_from_hub_with_fallback` falls back on any import
         error; axolotl's Qwen3.5 patch guards its fla imports the same way). On a fresh H200, fla's
         tilelang kernels compile for ~100 s in the first process that runs them (benchmarks/results/
@@ -227,9 +228,8 @@ class Ctx:
                    **NCCL_ENV)  # fmt: skip
         if self.gpu:
             site = os.environ.get("TRAIN_SITE", "/tmp/site")
-            parts = [str(self.nofla()), site, str(REPO)] + (
-                [os.environ["EXTRA_SITE"]] if os.environ.get("EXTRA_SITE") else []
-            )
+            extra = os.environ.get("EXTRA_SITE") if modelopt else None
+            parts = [str(self.nofla()), site, str(REPO)] + ([extra] if extra else [])
             env["PYTHONPATH"] = ":".join(parts)
             env["PATH"] = f"{site}/bin:{env.get('PATH', '')}"
         else:
@@ -294,10 +294,7 @@ class Ctx:
                 "",
             )
         rec = {"cmd": " ".join(cmd[2:]), "rc": rc, "wall_s": round(time.time() - t, 2), "stderr": se[-3000:]}
-        try:
-            rec["json"] = json.loads(so[so.index("{") :]) if "{" in so else None
-        except ValueError:
-            rec["json"] = None
+        rec["json"] = _json_in(so)
         if rec["json"] is None:
             rec["stdout"] = so[-3000:]
         with open(self.out / "cli.jsonl", "a") as f:
@@ -324,11 +321,8 @@ class Ctx:
 
     def bg_json(self, name: str) -> dict:
         """The JSON object a background `pipeline ... --json` printed on stdout ({} if none)."""
-        text = (self.work / "logs" / f"{name}.out").read_text(errors="replace")
-        try:
-            return json.loads(text[text.index("{") :]) if "{" in text else {}
-        except ValueError:
-            return {}
+        got = _json_in((self.work / "logs" / f"{name}.out").read_text(errors="replace"))
+        return got if isinstance(got, dict) else {}
 
     def wait_bg(self, name: str, timeout: float) -> dict:
         proc, log, t = self.bg[name]
@@ -403,6 +397,16 @@ class Ctx:
         for proc, _, _ in self.bg.values():
             if proc.poll() is None:
                 _kill(proc)
+
+
+def _json_in(text: str):
+    """The JSON value `text` holds (a `--json` command's stdout), or one starting at its first { or [."""
+    for start in [0] + [i for i in (text.find("{"), text.find("[")) if i > 0]:
+        try:
+            return json.loads(text[start:])
+        except ValueError:
+            continue
+    return None
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -555,7 +559,7 @@ def st_host(ctx: Ctx) -> dict:
         if v.returncode == 0:
             ctx.facts["vllm_version"] = res["vllm_torch_transformers"][0]
         m = subprocess.run([sys.executable, "-c", "import modelopt; print(modelopt.__version__)"], capture_output=True,
-                           text=True, env=ctx.pipeline_env(), timeout=120)  # fmt: skip
+                           text=True, env=ctx.pipeline_env(modelopt=True), timeout=120)  # fmt: skip
         res["modelopt"] = m.stdout.strip() or m.stderr[-400:]
         res["mount"] = bind_ro(vol, Path(MOUNT))
     else:
@@ -665,13 +669,15 @@ def write_project(ctx: Ctx) -> Path:
     p = ctx.project
     p.mkdir(parents=True, exist_ok=True)
     eng = ctx.engines
-    served = ctx.work / ("real8-nvfp4" if ctx.gpu else "real8")
+    # the exact `vllm serve` model string (attached instances: the root their /v1/models card shows)
+    bf16 = (ctx.work / "real8").resolve() if ctx.attach else ctx.work / "real8"
+    served = ctx.work / "real8-nvfp4" if ctx.gpu else bf16
     a, b = (eng.get(n) for n in ("fleet-a", "fleet-b"))
     cfg = {
         "state_dir": str(p / "state"),
-        "base": {"model": str(ctx.work / "real8"), "path": str(ctx.work / "real8")},
+        "base": {"model": str(bf16), "path": str(bf16)},
         "served": {
-            "checkpoint": "real8-nvfp4" if ctx.gpu else "tiny-vl",
+            "checkpoint": "real8-nvfp4" if ctx.gpu else "tiny-qwen3.5",
             "revision": "vllm_h200",
             "model": str(served),
             "path": str(served),
@@ -718,7 +724,7 @@ def st_launch(ctx: Ctx) -> dict:
         "project": str(ctx.project / "pipeline.yaml"),
         "engines": {n: e.url for n, e in ctx.engines.items()},
     }
-    if not ctx.adapters_given:
+    if not ctx.adapters_given and not _reusable(ctx.work / "adapters.json"):
         for v in (1, 2):
             ctx.start_bg(f"train{v}", _train_cmd(ctx, v))
     if ctx.gpu:
@@ -727,9 +733,21 @@ def st_launch(ctx: Ctx) -> dict:
             ctx.start_bg(
                 "served-base",
                 [*ctx.pipeline_cmd(), "dev", "served-base", ctx.work / "real8", nv, "--device", "cuda"],
+                env=ctx.pipeline_env(modelopt=True),
             )
-        ctx.start_engine(gpu_engines(ctx.work)["staging"], PORTS["staging"])
+        if ctx.plan == "main":
+            ctx.start_engine(gpu_engines(ctx.work)["staging"], PORTS["staging"])
     return res
+
+
+def _reusable(p: Path):
+    """What an earlier call on this machine left in WORK (adapters.json, versions.json), if still valid."""
+    if not p.exists():
+        return None
+    d = {int(k): v for k, v in json.loads(p.read_text()).items()}
+    if p.name == "adapters.json" and not all(Path(v).is_dir() for v in d.values()):
+        return None
+    return d
 
 
 def st_served(ctx: Ctx) -> dict:
@@ -753,6 +771,9 @@ def st_train(ctx: Ctx) -> dict:
         ctx.facts["adapters"] = {1: ctx.adapters_given[0], 2: ctx.adapters_given[1]}
         return {"adapters": [str(a) for a in ctx.adapters_given]}
     res, ads = {}, {}
+    if (again := _reusable(ctx.work / "adapters.json")) is not None:
+        ctx.facts["adapters"] = {k: Path(v) for k, v in again.items()}
+        return {"adapters": again, "reused": True}
     for v in (1, 2):
         r = ctx.wait_bg(f"train{v}", 400)
         out = ctx.bg_json(f"train{v}")
@@ -761,10 +782,13 @@ def st_train(ctx: Ctx) -> dict:
         ads[v] = Path(out["adapter"])
         res[f"v{v}"] = {"adapter": out["adapter"], "wall_s": r["wall_s"], "metrics": out.get("metrics")}
     ctx.facts["adapters"] = ads
-    if ctx.gpu:  # the merged model for issue 29.3, and the bf16 engine, while the rest runs
+    (ctx.work / "adapters.json").write_text(json.dumps({k: str(v) for k, v in ads.items()}))
+    if (
+        ctx.gpu and ctx.plan == "main"
+    ):  # the merged model for issue 29.3, and the bf16 engine, while the rest runs
         ctx.start_bg("merge", [*ctx.pipeline_cmd(), "merge", ads[1], "--base", ctx.work / "real8", "--out",
                                ctx.work / "merged-v1", "--quantize", "nvfp4", "--device", "cuda", "--parity", "off",
-                               "--no-progress", "--json"])  # fmt: skip
+                               "--no-progress", "--json"], env=ctx.pipeline_env(modelopt=True))  # fmt: skip
         ctx.start_engine(gpu_engines(ctx.work)["staging-bf16"], PORTS["staging-bf16"])
     return res
 
@@ -772,6 +796,9 @@ def st_train(ctx: Ctx) -> dict:
 def st_register(ctx: Ctx) -> dict:
     res = {}
     ads = ctx.facts["adapters"]
+    if (again := _reusable(ctx.work / "versions.json")) is not None and not ctx.attach:
+        ctx.facts["versions"] = again
+        return {"versions": again, "reused": True}
     served = ctx.work / ("real8-nvfp4" if ctx.gpu else "real8")
     v = ctx.cli("validate", ads[1], "--base", ctx.work / "real8", "--served", served, "--json", check=False)
     res["validate_served"] = {"rc": v["rc"], "wall_s": v["wall_s"], "report": _short_report(v.get("json"))}
@@ -780,6 +807,7 @@ def st_register(ctx: Ctx) -> dict:
         r = ctx.cli("register", ads[k], "--name", NAME, "--base", ctx.work / "real8", "--json")
         versions[k] = int((r["json"] or {}).get("version", k))
     ctx.facts["versions"] = versions
+    (ctx.work / "versions.json").write_text(json.dumps(versions))
     res["versions"] = versions
     return res
 
@@ -799,6 +827,19 @@ def _short_report(rep: dict | None) -> dict | None:
 
 def st_engines(ctx: Ctx) -> dict:
     res = {}
+    if "staging" in ctx.engines:
+        try:
+            ctx.wait_engine("staging", 420)
+        except (
+            RuntimeError
+        ) as e:  # float32 refused on this build: bf16, recorded (parity then carries bf16 noise)
+            res["staging_float32_failed"] = str(e)[-2000:]
+            s = ctx.engines.pop("staging")
+            if s.proc is not None and s.proc.poll() is None:
+                _kill(s.proc)
+            args = s.args[:]
+            args[args.index("--dtype") + 1] = "bfloat16"
+            ctx.start_engine(Engine("staging", s.model, args), PORTS["staging"] + 10)
     for n in ("staging", "fleet-a", "fleet-b"):
         if n in ctx.engines:
             e = ctx.wait_engine(n, 420)
@@ -883,9 +924,13 @@ def st_publish(ctx: Ctx) -> dict:
     v1 = ctx.facts["versions"][1]
     r = ctx.cli("publish", NAME, "--version", v1, "--json", timeout=400)
     pub = r["json"] or {}
+    serving = _instances_serving(ctx, v1)
+    synced = None
+    if not all(serving.values()):  # a version already published: fresh engines need `fleet sync`
+        synced = ctx.cli("fleet", "sync", "--json", timeout=300, check=False)
+        serving = _instances_serving(ctx, v1)
     s = ctx.cli("fleet", "status", "--json", check=False)
     res = ctx.cli("fleet", "resolve", NAME, "--json", check=False)
-    serving = _instances_serving(ctx, v1)
     return {
         "version": v1,
         "wall_s": r["wall_s"],
@@ -893,6 +938,8 @@ def st_publish(ctx: Ctx) -> dict:
         "instances_list_the_version": serving,
         "warnings": pub.get("warnings"),
         "resolve": res.get("json"),
+        "created": pub.get("created"),
+        "sync": None if synced is None else {"rc": synced["rc"], "wall_s": synced["wall_s"]},
         "status_rc": s["rc"],
         "status": s.get("json"),
     }
@@ -1069,15 +1116,15 @@ def st_publish_latency(ctx: Ctx) -> dict:
 PLANS = {
     "main": [
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
-        ("served", st_served, 200), ("train", st_train, 200), ("register", st_register, 60),
-        ("engines", st_engines, 300), ("canary_parity", st_canary_parity, 90), ("publish", st_publish, 60),
+        ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
+        ("engines", st_engines, 30), ("canary_parity", st_canary_parity, 90), ("publish", st_publish, 60),
         ("decode", st_decode, 60), ("publish2", st_publish2, 90), ("stale_kv", st_stale_kv, 45),
         ("canary_served", st_canary_served, 90), ("merged", st_merged, 150), ("staging_bf16", st_staging_bf16, 90),
     ],
     "sweep": [
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
-        ("served", st_served, 200), ("train", st_train, 200), ("register", st_register, 60),
-        ("sweep_start", st_sweep_start, 10), ("engines", st_engines, 300), ("publish", st_publish, 60),
+        ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
+        ("sweep_start", st_sweep_start, 10), ("engines", st_engines, 30), ("publish", st_publish, 60),
         ("publish_latency", st_publish_latency, 120), ("sweep", st_sweep, 200),
     ],
     "smoke": [
@@ -1312,6 +1359,46 @@ def record_into(out: Path, into: Path) -> dict:
     return rec["done_when"]
 
 
+def markdown(rec: dict) -> str:
+    """The RESULTS.md section of one record (figures as measured; n/a where a stage did not run)."""
+
+    def f(x, spec=".3f"):
+        return "n/a" if x is None else (f"{x:{spec}}" if isinstance(x, (int, float)) else str(x))
+
+    dec, acc = rec.get("decode_tok_s") or {}, rec.get("acceptance_length") or {}
+    cp, cn = rec.get("canary_bf16_base") or {}, rec.get("canary_nvfp4") or {}
+    eff = cn.get("effect") or {}
+    lines = [
+        f"vLLM {rec.get('vllm_version')}, {((rec.get('quantization') or {}).get('quant_algo'))} (ModelOpt), "
+        f"MTP {rec.get('speculative')}, {rec.get('instances')} instances on one H200 ({rec.get('date')}, plan {rec.get('plan')})",
+        "",
+        "| decode tok/s | batch 1 | batch 8 | acceptance length b1 / b8 |",
+        "|---|---|---|---|",
+    ]
+    for k in ("base", "adapter"):
+        d, a = dec.get(k) or {}, acc.get(k) or {}
+        lines.append(
+            f"| {k} | {f(d.get('1'), '.1f')} | {f(d.get('8'), '.1f')} | {f(a.get('1'), '.2f')} / {f(a.get('8'), '.2f')} |"
+        )
+    fr = rec.get("field_report") or {}
+    lines += [
+        "",
+        f"adapter / base at batch 1: {f(fr.get('ratio_here_batch1'))} (field report: {fr.get('adapter_tok_s')} / "
+        f"{fr.get('base_tok_s')} = {fr.get('ratio')})",
+        "",
+        f"canary, bf16 base served in float32: token agreement {f(cp.get('token_agreement'))} (base "
+        f"{f(cp.get('base_token_agreement'))}), first divergence {cp.get('first_divergence')}, max logprob diff "
+        f"{f(cp.get('max_logprob_diff'), '.4f')} nats, verdict {cp.get('verdict')}",
+        f"canary, NVFP4 instance: verdict {cn.get('verdict')}, acceptance length base/adapter "
+        f"{cn.get('acceptance_length')}, TPOT ms {cn.get('tpot_ms')}, effect retention {f(eff.get('retention'))} "
+        f"(engine {f(eff.get('engine_nats'))} vs reference {f(eff.get('reference_nats'))} nats/token, base gap "
+        f"{f(eff.get('base_gap_nats'))})",
+        f"failed stages: {', '.join(rec.get('failed') or []) or 'none'}; Done when: "
+        + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in (rec.get("done_when") or {}).items()),
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1340,6 +1427,7 @@ def main() -> None:
         return
     if a.cmd == "record":
         print(json.dumps(record_into(a.out, a.into), indent=1))
+        print(markdown(json.loads((a.out / "vllm_h200.json").read_text())))
         return
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)

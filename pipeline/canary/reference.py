@@ -112,25 +112,22 @@ class Reference:
         self.model = load_peft(base_dir, adapter_dir, dtype, self.device)
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        """The reference's own greedy continuation (adapter on) of `prompt`: up to `max_tokens` ids.
-
-        One token at a time by full forward passes (no cache: the same computation as `score`), so
-        greedy decoding here and teacher forcing in `score` agree exactly; stops after the EOS id.
-        """
+        """The reference's own greedy continuation (adapter on) of `prompt`: up to `max_tokens` ids
+        (transformers' `generate`, greedy; it stops after an EOS id)."""
         import torch
 
         cfg = self.model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        eos = getattr(cfg, "eos_token_id", None)
-        eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-        seq = list(prompt)
+        x = torch.tensor([prompt], device=self.device)
         with torch.inference_mode():
-            for _ in range(max_tokens):
-                logits = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, -1]
-                seq.append(int(logits.float().argmax()))
-                if seq[-1] in eos:
-                    break
-        return seq[len(prompt) :]
+            out = self.model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=getattr(cfg, "pad_token_id", None) or 0,
+            )
+        return out[0, len(prompt) :].tolist()
 
     def token_logprobs(self, prompt: list[int], tokens: list[int], adapter: bool) -> list[float]:
         """log p(tokens[j] | prompt + tokens[:j]) for every j, with or without the adapter (nats)."""

@@ -8,8 +8,8 @@
 # the machine (outside the checkout; a warm machine keeps them between calls):
 #   $VLLM_SITE  (default /tmp/vsite)  the vLLM 0.25.1 bundle (scripts/gpu/vllm_bundle.sh)
 #   $TRAIN_SITE (default /tmp/site)   the training bundle (scripts/gpu/bundle.sh): axolotl, MLflow client ...
-#   $EXTRA_SITE (default /tmp/msite if it exists) nvidia-modelopt + omegaconf + pulp + nvidia-ml-py
-#               (scripts/gpu/modelopt-requirements.txt), unless they are in $TRAIN_SITE already
+#   $EXTRA_SITE (default $VLLM_SITE) nvidia-modelopt + omegaconf + pulp + nvidia-ml-py
+#               (scripts/gpu/modelopt-requirements.txt; scripts/gpu/vllm_bundle.sh puts them in the vLLM bundle)
 # Everything else (the 8-layer base, the NVFP4 checkpoint, adapters, the project) is built in $WORK
 # (default /tmp/vw) and reused by a later call on the same machine (`.done` markers), as is vLLM's
 # torch.compile / Triton cache ($VLLM_CACHE_ROOT, default /tmp/vllm-cache).
@@ -25,7 +25,7 @@ DEADLINE=${2:-500}
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 export VLLM_SITE=${VLLM_SITE:-/tmp/vsite} TRAIN_SITE=${TRAIN_SITE:-/tmp/site}
-if [ -z "${EXTRA_SITE:-}" ] && [ -d /tmp/msite ]; then export EXTRA_SITE=/tmp/msite; fi
+export EXTRA_SITE=${EXTRA_SITE:-$VLLM_SITE}  # nvidia-modelopt for the quantizing processes (the vLLM bundle carries it)
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm-cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1

@@ -14,6 +14,7 @@ gives (`chat-vN`).
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -586,3 +587,48 @@ def test_txn_tampered_version_is_never_loaded_by_sync(fleet, txn):
     st = _txn_cli(cfg, "fleet", "status", "--json")
     rows = json.loads(st.stdout)
     assert st.exit_code == 4 and any(x["state"] == "corrupt" and x["adapter"] == "txn" for x in rows)
+
+
+# -- the GPU benchmark's driver on these instances (issue 26: every benchmark's smoke mode runs here) ----------------
+def test_vllm_h200_driver_smoke_on_the_cpu_fleet(fleet, tmp_path):
+    """benchmarks/vllm_h200.py plan `smoke` attached to the module's two instances (no engine started, no
+    training): the stages the H200 call runs, through the same `pipeline` CLI calls (validate --served,
+    register v1/v2, canary --no-record, publish to both, decode table, publish v2 + rollback, the
+    stale-KV probe), each recorded; a typo in the driver fails here instead of on the GPU."""
+    import subprocess
+    import sys
+
+    from pipeline.artifacts.atomic import write_json_atomic
+    from pipeline.artifacts.manifest import MANIFEST, file_hashes
+    from tests.support.helpers import REPO
+
+    ads = []
+    for seed in (31, 32):
+        d = peft_adapter(fleet.base, tmp_path / f"ad-{seed}", seed=seed, b_std=0.3)
+        write_json_atomic(
+            d / MANIFEST,
+            {"schema": 1, "name": "agent", "files": file_hashes(d), "base_model": {"id": str(fleet.base)}},
+        )
+        ads.append(str(d))
+    a, b = fleet.servers["a"], fleet.servers["b"]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "vllm_h200.py"), "run", "smoke", "--work", str(tmp_path / "w"),
+           "--out", str(tmp_path / "o"), "--attach", f"fleet-a={a.url}", f"fleet-b={b.url}", "--adapters", *ads]  # fmt: skip
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO))
+    )
+    rec = json.loads((tmp_path / "o" / "vllm_h200.json").read_text())
+    assert p.returncode == 0 and rec["failed"] == [], (rec["stages"], p.stdout[-3000:])
+    assert sorted(rec["publish"]["confirmed_by"]) == ["fleet-a", "fleet-b"]
+    assert all(rec["publish"]["instances_list_the_version"].values())
+    assert rec["canary_bf16_base"]["token_agreement"] is not None and rec["decode_tok_s"]["adapter"]["1"] > 0
+    rel = rec["release"]
+    assert (
+        rel["publish_v2"]["resolved"]["model"] == "agent-v2"
+        and rel["rollback"]["resolved_after"]["model"] == "agent-v1"
+    ), rel
+    kv = rec["stale_kv"]
+    assert kv["v1_differs_from_v2"] and kv["versioned_v2_equals_fresh_v2"] and kv["warm_hit_tokens"] > 0
+    # 0.32 keys the prefix cache by (name, path): a re-point at a NEW path is not stale there (0.25 is)
+    assert kv["repoint_answer_equals_fresh_v2"] and not kv["stale_kv_served"]
+    for inst in (a, b):  # the probe names are gone; the published versions stay
+        assert not [n for n in roots(inst) if n.startswith("stale-")]
