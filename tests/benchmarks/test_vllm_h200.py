@@ -96,8 +96,10 @@ def test_done_when_reads_the_record():
     assert all(vb.done_when(rec).values())
     rec["canary_bf16_base"]["token_agreement"] = 0.98
     rec["publish"]["confirmed_by"] = ["fleet-a"]
+    rec["acceptance_length"] = {"base": {"1": None}, "adapter": {"1": None}}  # an engine without speculation
     bad = vb.done_when(rec)
     assert not bad["canary_agreement_0.99"] and not bad["publish_confirmed_by_both"]
+    assert not bad["acceptance_base_and_adapter"] and bad["decode_base_and_adapter"]
 
 
 def test_record_into_replaces_the_same_day_and_plan(tmp_path):
