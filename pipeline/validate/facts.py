@@ -113,7 +113,7 @@ class CheckpointFacts:
     @property
     def served_architecture(self) -> str | None:
         arch = self.served.config.get("architectures") or [None]
-        return arch[0] if isinstance(arch, list) else arch
+        return arch[0] if isinstance(arch, list) else None  # a string is no list of classes: vLLM finds none
 
     @property
     def serving_architecture(self) -> str:

@@ -92,7 +92,7 @@ def _serving_class(cfg, stage: Path, rng) -> str | None:
             arch = read_checkpoint(Path(cfg.served.path)).config.get("architectures") or [None]
         except (FileNotFoundError, ValueError, OSError):
             return None
-        return arch[0] if isinstance(arch, list) else arch
+        return arch[0] if isinstance(arch, list) else None
     base = default_base(cfg, stage)
     try:
         bcfg = read_checkpoint(Path(base)).config if base else {}

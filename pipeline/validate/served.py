@@ -242,7 +242,16 @@ def mtp(ctx: AdapterFacts):
             where,
         )
         return
-    want = int(served.text_config.get("mtp_num_hidden_layers", 1) or 1)
+    want = served.text_config.get("mtp_num_hidden_layers", 1)
+    if not isinstance(want, int) or isinstance(want, bool) or want < 1:
+        yield Issue(
+            f"the served checkpoint's config.json has mtp_num_hidden_layers = {want!r}, but the fleet drafts with its "
+            "MTP layer: vLLM's Qwen3.5 drafter runs that many layers (qwen3_5_mtp.py num_mtp_layers, speculative "
+            "config n_predict) and has none to run (a positive integer is needed); fix config.json to the "
+            f"checkpoint's MTP layer count (1 for Qwen3.6-27B), or set {fix}",
+            str(served.path / "config.json"),
+        )
+        return
     have = {int(n.split(".")[2]) for n in top if n.startswith("mtp.layers.") and n.split(".")[2].isdigit()}
     missing = [f"mtp.layers.{i}" for i in range(want) if i not in have]
     if not any(n.startswith("mtp.fc.") for n in top):

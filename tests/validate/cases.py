@@ -395,6 +395,15 @@ def _embedding_lora_saved_by_peft(change=None):
     return fn
 
 
+def _served_config(**changes):
+    def fn(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    return fn
+
+
 def _corrupt_tokenizer_json(d):
     (d / "tokenizer.json").write_text('{"version": "1.0", "model": ')
 
@@ -1155,6 +1164,23 @@ CASES = [
             "mtp-nofc", _served_tensors(lambda t: {k: v for k, v in t.items() if not k.startswith("mtp.fc.")})
         ),
         ["['mtp.fc']"],
+        {},
+    ),
+    # a config that declares no MTP layer to run (0, or not an integer: the check crashed on int('one'))
+    (
+        "served.mtp",
+        "error",
+        None,
+        _served_with("mtp-zero", _served_config(mtp_num_hidden_layers=0)),
+        ["mtp_num_hidden_layers = 0", "positive integer"],
+        {},
+    ),
+    (
+        "served.mtp",
+        "error",
+        None,
+        _served_with("mtp-str", _served_config(mtp_num_hidden_layers="one")),
+        ["mtp_num_hidden_layers = 'one'"],
         {},
     ),
     ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 512}, ["512", "#22782"], {}),
