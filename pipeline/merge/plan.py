@@ -200,10 +200,9 @@ def _check_config(cfg: AdapterConfig) -> None:
         raise MergeError(
             f"{where}: modules_to_save {raw['modules_to_save']} replaces whole modules; not merged here"
         )
-    if raw.get("fan_in_fan_out"):
-        raise MergeError(
-            f"{where}: fan_in_fan_out is true (Conv1D layout); Qwen linears are nn.Linear: retrain"
-        )
+    # fan_in_fan_out is not refused: on an nn.Linear target peft warns and applies it as false (lora/model.py
+    # _create_new_module), vLLM ignores it and validate passes it; a Conv1D-layout (transposed) adapter fails the
+    # shape check of each pair (_check_target).
     init = raw.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(UNMERGEABLE_INIT):
         raise MergeError(

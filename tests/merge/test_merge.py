@@ -418,3 +418,19 @@ def test_a_filesystem_that_refuses_direct_writes_falls_back(tiny_vl_base, adapte
     out = merge_adapter(vl, tiny_vl_base, tmp_path / "out")
     assert refused and out.manifest.files == ref.manifest.files
     assert tensor_bytes(tmp_path / "out") == tensor_bytes(tmp_path / "ref")
+
+
+def test_fan_in_fan_out_on_linear_layers_merges_as_peft_applies_it(tiny_base, adapter, tmp_path):
+    """peft applies fan_in_fan_out=true on an nn.Linear as false (with a warning), vLLM ignores it and validate
+    passes it: merge refused it (MergeError 'Conv1D layout'). It merges to the same weights as false."""
+    import json
+
+    from pipeline.validate import validate_adapter
+
+    flag = Path(shutil.copytree(adapter, tmp_path / "fifo"))
+    cfg = json.loads((flag / "adapter_config.json").read_text())
+    (flag / "adapter_config.json").write_text(json.dumps({**cfg, "fan_in_fan_out": True}))
+    assert validate_adapter(flag, tiny_base).passed
+    merge_adapter(flag, tiny_base, tmp_path / "m-true", hash_files=False)
+    merge_adapter(adapter, tiny_base, tmp_path / "m-false", hash_files=False)
+    assert tensor_bytes(tmp_path / "m-true") == tensor_bytes(tmp_path / "m-false")
