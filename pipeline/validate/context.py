@@ -42,7 +42,7 @@ from pipeline.errors import PipelineError
 from pipeline.serving.vllm import ALLOWED_DTYPES, BASE_EMBEDDING_SUFFIXES, QWEN35_MODULES
 from pipeline.validate import behaviour as behaviour_eval
 from pipeline.validate import template
-from pipeline.validate.chat import ChatTokenizer, TokenizerError, has_tokenizer
+from pipeline.validate.chat import SPECIAL_KEYS, ChatTokenizer, TokenizerError, has_tokenizer
 from pipeline.validate.facts import CheckpointFacts, Fact, Unavailable
 from pipeline.validate.lora_view import LoraView
 from pipeline.validate.report import FleetRules, ValidationReport
@@ -162,6 +162,45 @@ def _round_to(v, dtype: str):
         return v.astype(np.float16).astype(np.float32)
     u = v.view(np.uint32)
     return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def config_tokens(d: Path, regular=None) -> dict[str, list[str]]:
+    """{file: token strings} that transformers adds to a tokenizer from the files next to tokenizer.json:
+    `added_tokens.json` {token: id}, `special_tokens_map.json` values (additional_special_tokens included),
+    tokenizer_config.json's special tokens (`eos_token`, `pad_token`...), `extra_special_tokens` and
+    `added_tokens_decoder` (transformers 5 adds each one missing from the vocabulary: tokenization_utils_base.py
+    `from_pretrained`). `regular(path)` says which files may be read (default: regular files, no links)."""
+    import json
+
+    regular = regular or (lambda p: p.is_file() and not p.is_symlink())
+    out: dict[str, list[str]] = {}
+    for name in ("added_tokens.json", "special_tokens_map.json", "tokenizer_config.json"):
+        p = Path(d) / name
+        if not regular(p) or p.stat().st_size > 16 << 20:
+            continue
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        if name == "added_tokens.json":
+            values = list(data)
+        elif name == "special_tokens_map.json":
+            values = list(data.values())
+        else:
+            extra, decoder = data.get("extra_special_tokens"), data.get("added_tokens_decoder")
+            values = [data.get(k) for k in SPECIAL_KEYS]
+            values += list(extra.values()) if isinstance(extra, dict) else [extra]
+            values += list(decoder.values()) if isinstance(decoder, dict) else []
+        tokens: list[str] = []
+        for v in values:
+            for x in v if isinstance(v, list) else [v]:
+                text = x.get("content") if isinstance(x, dict) else x
+                if isinstance(text, str):
+                    tokens.append(text)
+        out[name] = tokens
+    return out
 
 
 @dataclass(frozen=True)
@@ -572,12 +611,16 @@ class Context(CheckpointFacts, TemplateFacts):
 
     def _added_tokens(self) -> AddedTokens:
         """Tokens the adapter's tokenizer files add that the served tokenizer lacks: tokenizer.json's
-        added_tokens, and the slow-tokenizer files transformers also adds from when it loads the tokenizer
-        (`added_tokens.json` {token: id}, `special_tokens_map.json` values and additional_special_tokens)."""
+        added_tokens, and what transformers also adds when it loads the tokenizer: `added_tokens.json` {token: id},
+        `special_tokens_map.json` values and additional_special_tokens, tokenizer_config.json's special tokens
+        (`eos_token`, `pad_token`...), `extra_special_tokens` and `added_tokens_decoder` (transformers 5 adds each
+        one missing from the vocabulary: tokenization_utils_base.py `from_pretrained`)."""
         atok, served = self.adapter_tokenizer.value, self.served_tokenizer.value
         if served is None:
             return AddedTokens([], "")
         s_added, s_vocab = served.added(), served.vocab()
+        # what transformers adds to the served tokenizer from the same kind of files (vLLM loads it with transformers)
+        s_vocab = set(s_vocab) | {t for ts in config_tokens(served.path).values() for t in ts}
         added, where = [], ""
         if atok is not None:
             added = sorted((t, i) for t, i in atok.added().items() if t not in s_added)
@@ -590,30 +633,10 @@ class Context(CheckpointFacts, TemplateFacts):
         return AddedTokens(added, where)
 
     def _slow_tokenizer_tokens(self) -> dict[str, list[str]]:
-        """{file: token strings} from added_tokens.json and special_tokens_map.json shipped with the adapter
-        (regular files only; an unreadable one is tokenizer.unreadable's finding when tokenizer.json loads it)."""
-        import json
-
-        out: dict[str, list[str]] = {}
-        for name in ("added_tokens.json", "special_tokens_map.json"):
-            p = self.adapter_dir / name
-            if p not in self.scan.files or p.stat().st_size > 16 << 20:
-                continue
-            try:
-                data = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(data, dict):
-                continue
-            values = list(data) if name == "added_tokens.json" else list(data.values())
-            tokens: list[str] = []
-            for v in values:
-                for x in v if isinstance(v, list) else [v]:
-                    text = x.get("content") if isinstance(x, dict) else x
-                    if isinstance(text, str):
-                        tokens.append(text)
-            out[name] = tokens
-        return out
+        """{file: token strings} transformers adds from the adapter's tokenizer files besides tokenizer.json
+        (`config_tokens`; regular files only: an unreadable one is tokenizer.unreadable's finding when
+        tokenizer.json loads it)."""
+        return config_tokens(self.adapter_dir, lambda p: p in self.scan.files)
 
     @property
     def template_unchecked(self) -> str | None:

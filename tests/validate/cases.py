@@ -250,6 +250,17 @@ def _slow_added(name: str, data: dict):
     return fn
 
 
+def _tokenizer_config_adds(**fields):
+    """The base's tokenizer files with `fields` set in tokenizer_config.json."""
+
+    def fn(d, env):
+        _with_tokenizer(d, env)
+        tc = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**tc, **fields}))
+
+    return fn
+
+
 def _tool_drift(t: str) -> str:
     return t.replace("'\\n<tool_response>\\n'", "'<tool_response>'")
 
@@ -1398,6 +1409,37 @@ CASES = [
         ("dir", _slow_added("special_tokens_map.json", {"additional_special_tokens": ["<sep2>"]})),
         {},
         ["<sep2>"],
+        {},
+    ),
+    # tokenizer_config.json too: transformers 5 adds its extra_special_tokens, added_tokens_decoder entries and
+    # special tokens (pad_token...) missing from tokenizer.json's vocabulary
+    (
+        "tokenizer.added_tokens",
+        "error",
+        ("dir", _tokenizer_config_adds(extra_special_tokens={"image_token": "<img_new>"})),
+        {},
+        ["<img_new>", "tokenizer_config.json"],
+        {},
+    ),
+    (
+        "tokenizer.added_tokens",
+        "error",
+        (
+            "dir",
+            _tokenizer_config_adds(
+                added_tokens_decoder={"1030": {"content": "<my_tool3>", "special": True, "normalized": False}}
+            ),
+        ),
+        {},
+        ["<my_tool3>"],
+        {},
+    ),
+    (
+        "tokenizer.added_tokens",
+        "error",
+        ("dir", _tokenizer_config_adds(pad_token="<pad_new>")),
+        {},
+        ["<pad_new>"],
         {},
     ),
     (

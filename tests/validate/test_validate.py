@@ -514,3 +514,15 @@ def test_served_checkpoint_without_mtp_passes_a_fleet_that_does_not_draft(
     )
     rules = FleetRules(served_path=d, vllm_version=NEW, speculative_mtp=False)
     assert validate_adapter(adapter, tiny_vl_base, rules).passed
+
+
+def test_tokens_the_served_tokenizer_config_adds_too_are_not_new(adapter, env, tmp_path):
+    """An added token in the adapter's tokenizer_config.json that the served checkpoint's tokenizer_config.json adds
+    as well (transformers adds it on both sides, vLLM loads the served one with transformers) is not new."""
+    from tests.validate.cases import _tokenizer_config_adds
+
+    _tokenizer_config_adds(extra_special_tokens={"image_token": "<img_new>"})(adapter, env)
+    served = Path(shutil.copytree(env.tiny_vl_base, tmp_path / "served"))
+    shutil.copy2(adapter / "tokenizer_config.json", served / "tokenizer_config.json")
+    rep = validate_adapter(adapter, env.tiny_vl_base, FleetRules(served_path=served, vllm_version="0.19.2"))
+    assert "tokenizer.added_tokens" not in ids(rep), [c.message for c in rep.checks]
