@@ -92,6 +92,14 @@ def share_flags(kv_gib: float = 2.0, util: float = 0.10) -> list[str]:
 
 
 COMMON = ["--max-model-len", "16384", "--max-num-seqs", "8", "--seed", "0"]
+# The carried engine has no FlashInfer (scripts/gpu/vllm-requirements.txt). vLLM 0.25.1 would still reach
+# for it twice on an H200 (seen on the device, docs/vllm.md "GPU engine"): the GDN prefill backend "auto"
+# picks FlashInfer's JIT kernel on SM90 without checking that it is installed
+# (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend), and the sampler
+# imports the FlashInfer attention backend unless VLLM_USE_FLASHINFER_SAMPLER=0
+# (v1/sample/ops/topk_topp_sampler.py flashinfer_sampler_supported). So: Triton/FLA for GDN prefill and
+# the PyTorch sampler (greedy decoding, which every figure here uses, never samples).
+GPU_ONLY = ["--gdn-prefill-backend", "triton"]
 
 
 @dataclass
@@ -244,7 +252,7 @@ class Ctx:
         return d.parent
 
     def common(self) -> list[str]:
-        return COMMON if self.gpu else ["--seed", "0"]
+        return COMMON + GPU_ONLY if self.gpu else ["--seed", "0"]
 
     def pipeline_cmd(self) -> list[str]:
         return [sys.executable, "-m", "pipeline"]
@@ -264,6 +272,7 @@ class Ctx:
         env.pop("PYTHONPATH", None)
         if self.gpu:
             env["PYTHONPATH"] = os.environ.get("VLLM_SITE", "/tmp/vsite")
+            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # no FlashInfer in the bundle (GPU_ONLY says why)
             # one torch.compile / Triton cache for every engine and restart on this machine
             env["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT", "/tmp/vllm-cache")
         else:
@@ -639,6 +648,7 @@ def _train_cmd(ctx: Ctx, version: int) -> list:
         cfg, sets = "axolotl_configs/qwen3.6-27b-lora.yml", [
             f"base_model={ctx.work / 'real8'}", "base_model_revision=null", "sequence_len=2048",
             "max_steps=40", "micro_batch_size=2", "gradient_accumulation_steps=1", f"learning_rate={lr}",
+            "sample_packing=false",  # the shipped config packs; packing needs fla, which nofla() hides here
             f"seed={seed}", "warmup_ratio=0.0", "lora_mlp_kernel=false", "lora_qkv_kernel=false",
             "lora_o_kernel=false", "eval_strategy='no'", "save_strategy='no'", "test_datasets=null",
             "eval_steps=null", "save_steps=null", f"dataset_prepared_path={ctx.work / f'prepared{version}'}",
@@ -766,6 +776,7 @@ def st_train(ctx: Ctx) -> dict:
     res, ads = {}, {}
     if (again := _reusable(ctx.work / "adapters.json")) is not None:
         ctx.facts["adapters"] = {k: Path(v) for k, v in again.items()}
+        _after_train(ctx)
         return {"adapters": again, "reused": True}
     for v in (1, 2):
         r = ctx.wait_bg(f"train{v}", 400)
@@ -776,13 +787,32 @@ def st_train(ctx: Ctx) -> dict:
         res[f"v{v}"] = {"adapter": out["adapter"], "wall_s": r["wall_s"], "metrics": out.get("metrics")}
     ctx.facts["adapters"] = ads
     (ctx.work / "adapters.json").write_text(json.dumps({k: str(v) for k, v in ads.items()}))
-    if (
-        ctx.gpu and ctx.plan == "main"
-    ):  # the merged model for issue 29.3, and the bf16 engine, while the rest runs
+    _after_train(ctx)
+    return res
+
+
+def _after_train(ctx: Ctx) -> None:
+    """Start what needs the adapters, while the rest runs: the merged NVFP4 model of v1 (issue 29.3, plans
+    main and prep; reused when an earlier call on this machine built it) and the bf16 engine (main)."""
+    if not ctx.gpu or ctx.plan not in ("main", "prep"):
+        return
+    ads = ctx.facts["adapters"]
+    if not (ctx.work / "merged-v1" / "hf_quant_config.json").exists() and "merge" not in ctx.bg:
         ctx.start_bg("merge", [*ctx.pipeline_cmd(), "merge", ads[1], "--base", ctx.work / "real8", "--out",
                                ctx.work / "merged-v1", "--quantize", "nvfp4", "--device", "cuda", "--parity", "off",
                                "--no-progress", "--json"], env=ctx.pipeline_env(modelopt=True))  # fmt: skip
+    if ctx.plan == "main":
         ctx.start_engine(gpu_engines(ctx.work)["staging-bf16"], PORTS["staging-bf16"])
+
+
+def st_prep_wait(ctx: Ctx) -> dict:
+    """Plan prep: wait for the NVFP4 checkpoint and the merged model, so that plan main reuses both."""
+    res = {}
+    for name in ("served-base", "merge"):
+        if name in ctx.bg:
+            res[name] = {k: v for k, v in ctx.wait_bg(name, 400).items() if k != "log_tail"}
+    for d in ("real8-nvfp4", "merged-v1"):
+        res[d] = (ctx.work / d / "hf_quant_config.json").exists()
     return res
 
 
@@ -1056,7 +1086,10 @@ def st_canary_served(ctx: Ctx) -> dict:
 
 
 def st_merged(ctx: Ctx) -> dict:
-    res = {"build": ctx.wait_bg("merge", 300)}
+    if "merge" in ctx.bg:
+        res = {"build": ctx.wait_bg("merge", 300)}
+    else:  # built by plan prep on this machine
+        res = {"build": {"reused": (ctx.work / "merged-v1" / "hf_quant_config.json").exists()}}
     e = ctx.start_engine(gpu_engines(ctx.work)["merged"], PORTS["merged"])
     ctx.wait_engine(e.name, 300)
     a = ctx.engines["fleet-a"]
@@ -1136,6 +1169,11 @@ PLANS = {
         ("decode", st_decode, 60), ("publish2", st_publish2, 90), ("stale_kv", st_stale_kv, 45),
         ("canary_served", st_canary_served, 90), ("merged", st_merged, 150), ("staging_bf16", st_staging_bf16, 90),
     ],
+    # call 1 of a fresh machine, while the engine's bundle is still arriving: everything plan main reuses
+    "prep": [
+        ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
+        ("train", st_train, 30), ("prep_wait", st_prep_wait, 60),
+    ],
     "sweep": [
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
         ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
@@ -1155,7 +1193,7 @@ NEEDS = {
     "engines": ["served"], "canary_parity": ["register", "engines"], "publish": ["register", "engines"],
     "decode": ["publish"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
     "merged": ["train", "publish"], "staging_bf16": ["train", "register"], "sweep_start": ["served"],
-    "sweep": ["sweep_start", "register"], "publish_latency": ["publish"],
+    "sweep": ["sweep_start", "register"], "publish_latency": ["publish"], "prep_wait": ["launch"],
 }  # fmt: skip
 
 
@@ -1349,7 +1387,7 @@ print(json.dumps(out))
 def engine_argvs(plan: str, work: Path) -> dict[str, list[str]]:
     """{engine: the `vllm serve` arguments it gets} for a plan (model path first)."""
     ctx = Ctx(plan, work, work, 1e9, gpu=plan != "smoke")
-    engines = {"main": gpu_engines, "sweep": sweep_engines, "smoke": smoke_engines}[plan](work)
+    engines = {"sweep": sweep_engines, "smoke": smoke_engines}.get(plan, gpu_engines)(work)
     out = {}
     for n, e in engines.items():
         argv = [str(e.model), "--host", "127.0.0.1", "--port", "8000", *ctx.common(), *e.args]

@@ -2,7 +2,11 @@
 # One device call on a lent H200 (`nvidia-h200`): the fleet's kind of engine end to end (issue 23),
 # vLLM 0.25.1 + ModelOpt NVFP4 + MTP + hot-loaded LoRA, driven by the `pipeline` CLI.
 #
-#   OUT=... bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]      # PLAN: main (default) | sweep
+#   OUT=... bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]      # PLAN: main (default) | sweep | prep
+#
+# prep: the first call of a fresh machine, while the vLLM bundle's last parts are still to come (a call
+# carries 64 MiB): base, MTP layer, both trainings, the NVFP4 checkpoint and the merged NVFP4 model, all
+# reused by main on the same machine. Needs the training bundle and nvidia-modelopt only.
 #
 # Run from the checkout the device tool sends (tracked files are enough). Needs, unpacked before on
 # the machine (outside the checkout; a warm machine keeps them between calls):
@@ -51,7 +55,7 @@ fi
         "import axolotl, mlflow, modelopt, pipeline; print('axolotl', axolotl.__version__, 'modelopt', modelopt.__version__)"
 } >"$OUT/host.txt" 2>&1
 el "$(grep -E '^(vllm|axolotl) ' "$OUT/host.txt" | tr '\n' ' ')"
-if ! grep -q '^vllm 0\.25\.' "$OUT/host.txt"; then
+if [ "$PLAN" != prep ] && ! grep -q '^vllm 0\.25\.' "$OUT/host.txt"; then
     el "no vLLM 0.25 under VLLM_SITE=$VLLM_SITE (see host.txt): unpack scripts/gpu/vllm_bundle.sh's output there first"
     exit 3
 fi

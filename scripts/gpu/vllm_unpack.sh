@@ -5,13 +5,22 @@
 #
 #   bash scripts/gpu/vllm_unpack.sh CARRIED_DIR      # CARRIED_DIR holds SHA256SUMS and >= 1 part
 #
+# A carried modelopt.tar.xz (with SHA256SUMS.modelopt) is unpacked at once into MODELOPT_SITE (default
+# /tmp/msite): the quantizer runs before the engine's last part arrives.
+#
 # Exit 0: the site is ready (prints "vllm site ready"); 3: parts are still missing (prints which);
 # 1: a sum does not match (the part is dropped, so the next call can carry it again).
 set -uo pipefail
 SRC=${1:?carried dir}
 PARTS=${VLLM_PARTS:-/tmp/vparts}
 SITE=${VLLM_SITE:-/tmp/vsite}
+MSITE=${MODELOPT_SITE:-/tmp/msite}
 mkdir -p "$PARTS"
+if [ -e "$SRC/modelopt.tar.xz" ] && [ ! -e "$MSITE/.ok" ]; then
+    (cd "$SRC" && sha256sum -c --quiet SHA256SUMS.modelopt) || { echo "modelopt.tar.xz: checksum mismatch" >&2; exit 1; }
+    rm -rf "$MSITE" && mkdir -p "$MSITE" && xz -dc "$SRC/modelopt.tar.xz" | tar -C "$MSITE" -xf - && touch "$MSITE/.ok"
+    echo "modelopt site ready: $MSITE"
+fi
 [ -e "$SITE/.ok" ] && { echo "vllm site ready: $SITE (already)"; exit 0; }
 cp -f "$SRC"/SHA256SUMS "$PARTS"/
 for f in "$SRC"/vllm.tar.xz.*; do [ -e "$f" ] && cp -f "$f" "$PARTS"/; done
