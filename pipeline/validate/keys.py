@@ -522,6 +522,18 @@ def _present(ctx, *, rejected_too: bool = False) -> dict[str, set[int]]:
     "vLLM would",
 )
 def not_targeted(ctx: AdapterFacts):
+    cfg = ctx.typed_cfg
+    for m in ctx.modules:  # embed_tokens / lm_head: left out of the decoder-layer sets below
+        if m.head in EMBEDDING_MODULES and m.layer is None and not cfg.targets(m.peft_module):
+            rng = ctx.vllm_fact.value
+            served = ctx.rules.allow_embedding_targets and rng is not None and rng.embedding_lora
+            yield Issue(
+                f"tensors adapt {m.peft_module} but adapter_config.json does not target it (target_modules "
+                f"{cfg.raw.get('target_modules')!r}): PEFT would not apply them"
+                + (", and the fleet's vLLM would, so training and serving differ" if served else "")
+                + "; fix adapter_config.json or re-save the adapter",
+                f"{ctx.wfile}:{m.module}",
+            )
     expected, present = _expected(ctx), _present(ctx)
     for sub, layers in sorted(present.items()):
         extra = layers - expected.get(sub, set())

@@ -402,6 +402,8 @@ def _embedding_lora_saved_by_peft(change=None):
                 t[name] = change(name, w) if change else w
 
         edit_tensors(d, add)
+        cfg = json.loads((d / C).read_text())
+        edit_config(d, target_modules=[*cfg["target_modules"], "embed_tokens", "lm_head"])
 
     return fn
 
@@ -815,6 +817,26 @@ CASES = [
         ("tensors", _add_pair("lm_head", (8, 128), (1024, 8))),
         {"allow_embedding_targets": True},
         ["no embedding LoRA", "0.19"],
+        {},
+    ),
+    # embed_tokens / lm_head tensors the config does not target: PEFT skips them, a 0.32+ fleet serves them
+    (
+        "keys.not_targeted",
+        "error",
+        ("tensors", _add_pair("lm_head", (8, 128), (1024, 8))),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["tensors adapt lm_head but adapter_config.json does not target it", "training and serving differ"],
+        {},
+    ),
+    (
+        "keys.not_targeted",
+        "error",
+        (
+            "tensors",
+            _add_raw_pair("model.embed_tokens", "lora_embedding_A", (8, 1024), "lora_embedding_B", (128, 8)),
+        ),
+        {"allow_embedding_targets": True, "vllm_version": NEW},
+        ["tensors adapt model.embed_tokens but"],
         {},
     ),
     # peft writes the base embed_tokens/lm_head next to their LoRA (`...base_layer.weight`); vLLM skips them, so one
