@@ -1,6 +1,7 @@
 """Preflight before axolotl: packing on Gated-DeltaNet models, materialised-logits memory."""
 
 import json
+import shutil
 
 import pytest
 
@@ -117,3 +118,24 @@ def test_pipeline_train_refuses_packing_before_writing(project, tmp_path):
     assert res.exit_code == 1, res.output
     assert "sample_packing on a Gated-DeltaNet model (qwen3_next)" in res.output
     assert not project.train.runs_dir.exists() or not any(project.train.runs_dir.iterdir())
+
+
+@pytest.mark.parametrize(
+    "layout", ["modules/causal_conv1d/__init__.py", "modules/convolution.py", "modules/conv/__init__.py"]
+)
+def test_fla_varlen_kernels_found_in_every_layout(tmp_path, monkeypatch, layout):
+    """fla 0.6.0 moved the conv to fla/modules/causal_conv1d/ (0.4.1-0.5.x: convolution.py): the
+    first preflight missed it on the H200 and refused a run fla could serve."""
+    import pipeline.train.preflight as pf
+
+    fla = tmp_path / "fla"
+    (fla / "ops" / "gated_delta_rule").mkdir(parents=True)
+    (fla / layout).parent.mkdir(parents=True, exist_ok=True)
+    (fla / layout).write_text("")
+    monkeypatch.setattr(pf, "_package_dir", lambda name: fla if name == "fla" else None)
+    assert pf._fla_varlen_installed() and varlen_gdn_missing("qwen3_5", [A100]) == []
+    shutil.rmtree(fla / "modules")
+    assert (
+        not pf._fla_varlen_installed()
+        and "flash-linear-attention" in varlen_gdn_missing("qwen3_5", [A100])[0]
+    )
