@@ -37,7 +37,7 @@ def test_two_nodes_train_one_adapter(tmp_path, tiny_base):
             sys.executable, "-m", "pipeline", "train", str(REPO / "axolotl_configs/tiny-cpu.yml"),
             "--launcher", "torchrun", "--json", "--no-progress",
             "--set", f"base_model={tiny_base}", "--set", f"dataset_prepared_path={root / 'prepared'}",
-            "--set", "max_steps=2", "--set", "eval_strategy=no", "--set", "save_strategy=no",
+            "--set", "max_steps=2", "--set", "eval_strategy='no'", "--set", "save_strategy='no'",
             "--set", "test_datasets=null", "--set", "eval_steps=null", "--set", "save_steps=null",
             "--", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
             "--master-addr", "127.0.0.1", "--master-port", str(port),

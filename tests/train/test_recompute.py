@@ -75,3 +75,42 @@ def test_the_keys_are_in_axolotls_schema(tmp_path):
         )
     with pytest.raises(CheckFailed, match="pipeline_recompute_layer_types"):
         check_axolotl_schema(load_training_config(TINY, [*base, "pipeline_recompute_layer_types=[mlp]"]))
+
+
+def test_benchmark_picks_the_fastest_policy_that_fits_at_16384():
+    """benchmarks/axolotl_h200.py best_policy: peaks scaled from the 4096 sweep to 16384 (static =
+    weights + 2.3 GB), the fastest under 79 GB wins, and its config overrides are the run's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("axolotl_h200", REPO / "benchmarks" / "axolotl_h200.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    phases = [
+        {"name": "warmup", "every_n_layers": 1, "mfu": 30.0, "peak_gb": 60.1},
+        {"name": "full", "every_n_layers": 1, "mfu": 47.7, "peak_gb": 60.1},  # 16384: ~72 GB
+        {"name": "every_2", "every_n_layers": 2, "mfu": 56.0, "peak_gb": 93.0},  # 16384: ~205 GB
+        {
+            "name": "linear_only",
+            "every_n_layers": 1,
+            "types": ["linear_attention"],
+            "fla_gdn": True,
+            "mfu": 49.0,
+            "peak_gb": 61.0,
+        },
+    ]
+    pick = bench.best_policy({"seq": 4096, "phases": phases}, 16384, 53.8)
+    assert pick["phase"]["name"] == "linear_only" and pick["phase"]["est_peak_gb_at_seq"] < 79
+    assert pick["sets"] == [
+        "gradient_checkpointing=true",
+        "gradient_checkpointing_kwargs={use_reentrant: true}",
+        "pipeline_recompute_layer_types=[linear_attention]",
+        "pipeline_fla_gdn=true",
+    ]
+    assert (
+        bench.best_policy({"seq": 4096, "phases": phases}, 4096, 53.8, limit_gb=141)["phase"]["name"]
+        == "every_2"
+    )
+    assert bench.policy_sets({"every_n_layers": 0}) == ["gradient_checkpointing=false"]
+    assert bench.policy_sets({"every_n_layers": 2, "offload": True})[1] == (
+        "gradient_checkpointing_kwargs={use_reentrant: true, every_n_layers: 2, offload: true}"
+    )
