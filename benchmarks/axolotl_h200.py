@@ -749,7 +749,13 @@ def _header(path: Path) -> dict:
     return {k: (v["dtype"], v["shape"]) for k, v in h.items()}
 
 
-def check_adapters(work: Path, out: Path) -> dict:
+ADAPTER_PAIRS = {  # (1-GPU run, multi-GPU run) whose adapters must have the same layout; 64-layer ones validated
+    "call2": [("l8-s4096-ga2", "l8-s4096-fsdp2x2"), ("l64-s4096", "l64-s4096-fsdp2x2")],
+    "ddp2": [("l64-s4096-1gpu-ga2", "l64-s4096-ddp-x2"), ("l64-s4096-1gpu-ga2", "l64-s4096-fsdp2-x2")],
+}
+
+
+def check_adapters(work: Path, out: Path, plan: str = "call2") -> dict:
     """1-GPU vs FSDP2 adapters: same tensor names, dtypes, shapes, adapter_config; and `pipeline validate`
     of the 64-layer adapters against the real-layout base and a 27B-shaped NVFP4 served index."""
     res: dict = {}
@@ -759,7 +765,8 @@ def check_adapters(work: Path, out: Path) -> dict:
         c = [d / "adapter" for d in _run_dirs(runs, name) if (d / "adapter").is_dir()]
         return c[-1] if c else None
 
-    for one, two in (("l8-s4096-ga2", "l8-s4096-fsdp2x2"), ("l64-s4096", "l64-s4096-fsdp2x2")):
+    pairs = ADAPTER_PAIRS[plan]
+    for one, two in pairs:
         a, b = adapter(one), adapter(two)
         if not (a and b):
             res[f"{one} vs {two}"] = "missing"
@@ -798,7 +805,7 @@ def check_adapters(work: Path, out: Path) -> dict:
             4,
             {"hf_quant_config.json": quant},
         )
-    for name in ("l64-s4096", "l64-s4096-fsdp2x2"):
+    for name in dict.fromkeys(n for pair in pairs for n in pair if n.startswith("l64")):
         a = adapter(name)
         if a is None:
             continue
@@ -918,6 +925,7 @@ def main() -> None:
     ad = sub.add_parser("adapters")
     ad.add_argument("--work", type=Path, required=True)
     ad.add_argument("--out", type=Path, required=True)
+    ad.add_argument("--plan", choices=sorted(ADAPTER_PAIRS), default="call2")
     s = sub.add_parser("summary")
     s.add_argument("dirs", nargs="+", type=Path)
     s.add_argument("--json", type=Path)
@@ -933,7 +941,7 @@ def main() -> None:
         build_tiny_base(a.work / "real4")
         (a.work / "real4" / ".done").touch()
     elif a.cmd == "adapters":
-        print(json.dumps(check_adapters(a.work, a.out))[:3000])
+        print(json.dumps(check_adapters(a.work, a.out, a.plan))[:3000])
     elif a.cmd == "peaks":
         print(json.dumps(measure_peaks(a.work)))
     elif a.cmd == "run":

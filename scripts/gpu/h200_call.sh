@@ -46,8 +46,8 @@ python3 benchmarks/axolotl_h200.py run "$PLAN" --work $WORK --out "$OUT" --deadl
     --policy-records ${POLICY_RECORDS:-}
 el "plan $PLAN done"
 python3 benchmarks/axolotl_h200.py summary "$OUT" --json "$OUT/summary.json" || true
-if [ "$PLAN" = call2 ]; then
-    timeout 60 python3 benchmarks/axolotl_h200.py adapters --work $WORK --out "$OUT/adapters.json" || true
+if [ "$PLAN" = call2 ] || [ "$PLAN" = ddp2 ]; then  # adapter layout 1 vs 2 GPUs, `pipeline validate`
+    timeout 60 python3 benchmarks/axolotl_h200.py adapters --work $WORK --out "$OUT/adapters.json" --plan "$PLAN" || true
     el "adapter checks done"
 fi
 tar czf "$OUT/logs-$PLAN.tgz" -C $WORK logs
