@@ -97,9 +97,39 @@ class RecomputeCallback(TrainerCallback):
 VL_FUSED_CE_TYPES = ("qwen3_5",)
 
 
+def place_cpu_ranks_on_cpu() -> None:
+    """Let the ranks of a multi-process run without CUDA (gloo, e.g. the CPU tests of multi-node
+    launches) load the model on the CPU: axolotl 0.19 maps every rank to CUDA device LOCAL_RANK
+    (`axolotl/utils/config/__init__.py` normalize_config: `device_map = {"": LOCAL_RANK}` whenever
+    world_size != 1), and transformers then fails ("Cannot access accelerator device when none is
+    available"). Patches `ModelLoader._set_device_map_config` once; a no-op when CUDA is available."""
+    import torch
+    from axolotl.loaders.model import ModelLoader
+
+    original = ModelLoader._set_device_map_config
+    if getattr(original, "__pipeline__", False):
+        return
+
+    def _set_device_map_config(self):
+        original(self)
+        dm = self.model_kwargs.get("device_map")
+        if (
+            not torch.cuda.is_available()
+            and isinstance(dm, dict)
+            and all(isinstance(v, int) for v in dm.values())
+        ):
+            self.model_kwargs["device_map"] = {"": "cpu"}
+
+    _set_device_map_config.__pipeline__ = True
+    ModelLoader._set_device_map_config = _set_device_map_config
+
+
 class PipelinePlugin(BasePlugin):
     """Registers MetricsFileCallback when `$PIPELINE_METRICS_FILE` is set; fused CE for the Qwen3.5 VL class;
     exact packing for the Qwen3.5 family."""
+
+    def register(self, cfg):
+        place_cpu_ranks_on_cpu()
 
     def get_input_args(self) -> str:
         return "pipeline.train.recompute.PipelineArgs"

@@ -70,3 +70,18 @@ def test_fsdp2_checkpoint_wrapper_names_are_removed_from_the_adapter(tmp_path):
         assert sorted(f.keys()) == sorted([plain, other]) and f.metadata() == {"format": "pt"}
         assert f.get_tensor(plain).shape == (16, 64)
     assert normalise_adapter_keys(p) == 0  # already in the 1-GPU layout: untouched
+
+
+def test_cpu_ranks_load_on_the_cpu():
+    """axolotl 0.19 maps every rank to CUDA device LOCAL_RANK, also without CUDA; the plugin maps them to the CPU."""
+    import torch
+    from axolotl.loaders.model import ModelLoader
+    from axolotl.utils.dict import DictDefault
+
+    from pipeline.train.axolotl_plugin import PipelinePlugin
+
+    PipelinePlugin().register({})
+    loader = ModelLoader.__new__(ModelLoader)  # only the device-map step, no model
+    loader.cfg, loader.model_kwargs = DictDefault({"device_map": {"": 1}, "torch_dtype": torch.float32}), {}
+    loader._set_device_map_config()
+    assert loader.model_kwargs["device_map"] == ({"": 1} if torch.cuda.is_available() else {"": "cpu"})
