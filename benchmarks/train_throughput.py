@@ -18,7 +18,8 @@ classes at module level. Losses and grad norms per step are recorded for the sam
 same weights (initialised by parameter name), so kernels can be checked against the reference.
 
     python benchmarks/train_throughput.py --out results.json                 # on a GPU
-    python benchmarks/train_throughput.py --tiny --variants baseline,shipped  # CPU smoke test
+    python benchmarks/train_throughput.py --tiny --variants baseline,shipped  # toy geometry on CPU
+    python benchmarks/train_throughput.py --smoke   # the suite's check: baseline, 4 and 8 toy layers, seconds
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "axolotl_configs" / "qwen3.6-27b-lora.yml"
 sys.path.insert(0, str(ROOT))  # run as a script from any directory (also on the GPU host)
 from pipeline.dev.realbase import QWEN36_27B_TEXT  # noqa: E402
+from pipeline.train.metrics import peak_for  # noqa: E402 (the datasheet table: one copy)
 
 # Qwen3.6-27B text geometry: the one copy in pipeline/dev/realbase.py (docs/qwen3.6-27b.md).
 GEOMETRY = {k: v for k, v in QWEN36_27B_TEXT.items() if k != "num_hidden_layers"} | {
@@ -339,17 +341,6 @@ def measure_peak_tflops() -> float | None:
     return 2 * 8192**3 / statistics.median(ts) / 1e12
 
 
-def datasheet_peaks() -> dict:
-    """pipeline.train.metrics.PEAK_TFLOPS, read without importing the pipeline (the GPU host lacks its deps)."""
-    import ast
-
-    tree = ast.parse((ROOT / "pipeline" / "train.py").read_text())
-    node = next(
-        n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PEAK_TFLOPS"
-    )
-    return ast.literal_eval(node.value)
-
-
 def full_params(tiny: bool) -> int:
     import torch
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -474,14 +465,19 @@ def table(rows: list[dict], peak: float | None) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--layers", default=None, help="override every variant's layer counts")
     ap.add_argument("--seqs", default=None, help="override every variant's sequence lengths")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--tiny", action="store_true", help="toy geometry on CPU (smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="toy geometry on CPU")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="--tiny, variant baseline, layers 4,8, seq 64, 2 steps; exit 1 on a failure",
+    )
     ap.add_argument("--out", default="train_throughput.json")
     ap.add_argument("--raw", default=None, help="append each worker result here as JSON lines")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant subprocess")
@@ -489,10 +485,12 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=None, help="with --from-raw: measured bf16 TFLOP/s")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.smoke:  # the variant that runs without CUDA/Triton kernels (fla, Liger need a GPU)
+        a.tiny, a.variants, a.layers, a.seqs, a.steps, a.warmup = True, "baseline", "4,8", "64", 2, 1
     if a.worker:
         layers = [int(x) for x in a.layers.split(",")]
         worker(a.worker, layers, [int(x) for x in a.seqs.split(",")], a.steps, a.warmup, a.tiny)
-        return
+        return 0
     if a.from_raw:
         rows = [
             json.loads(x)
@@ -501,7 +499,7 @@ def main() -> None:
             if x.strip()
         ]
         gpu = "H200"
-        datasheet = datasheet_peaks()["H200"]
+        datasheet = peak_for("H200")
         summary = extrapolate(rows, full_params(a.tiny), a.peak, datasheet)
         Path(a.out).write_text(
             json.dumps(
@@ -509,13 +507,13 @@ def main() -> None:
             )
         )
         print(table(summary, a.peak))
-        return
+        return 0
 
     import torch
 
     peak = measure_peak_tflops()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    datasheet = next((v for k, v in datasheet_peaks().items() if gpu and k in gpu), None)
+    datasheet = peak_for(gpu)
     n_full = full_params(a.tiny)
     print(
         f"gpu={gpu} measured bf16 matmul={peak} TFLOP/s datasheet={datasheet} params(64 layers)={n_full}",
@@ -578,7 +576,9 @@ def main() -> None:
         )
     )
     print(table(summary, peak))
+    failed = [r for r in rows if not r.get("ok")]
+    return 1 if not rows or (a.smoke and failed) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
