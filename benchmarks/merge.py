@@ -16,6 +16,7 @@ in alternating order (ABCD, DCBA, ...) with `sync` between runs, and the best of
 is reported. Targets: peak RSS <= largest shard + 1 GB (issue 7); time <= 1.25 x copy+fsync (issue 29).
 
     .venv/bin/python benchmarks/merge.py [--layers 8] [--shard-gb 2] [--repeats 2] [--workdir /tmp]
+    .venv/bin/python benchmarks/merge.py --smoke     # toy geometry, seconds: the harness works
 """
 
 from __future__ import annotations
@@ -31,33 +32,31 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-from qwen36_27b import FULL, INTER, LINEAR, MLP, VOCAB, H, layer_types, text_config  # noqa: E402 (sibling module)
+sys.path.insert(0, str(REPO))
+from qwen36_27b import QWEN36_27B, TINY, Geometry, layer_types  # noqa: E402 (sibling module)
 
-LINEAR_OTHER = {
-    "linear_attn.conv1d.weight": (10240, 1, 4),
-    "linear_attn.A_log": (48,),
-    "linear_attn.dt_bias": (48,),
-    "linear_attn.norm.weight": (128,),
-}
-FULL_OTHER = {"self_attn.q_norm.weight": (256,), "self_attn.k_norm.weight": (256,)}
+from pipeline.artifacts.manifest import MANIFEST, read_manifest  # noqa: E402
 
 
-def build(root: Path, layers: int, shard_bytes: int, rank: int, embeddings: bool) -> tuple[Path, Path]:
+def build(
+    root: Path, layers: int, shard_bytes: int, rank: int, embeddings: bool, geo: Geometry = QWEN36_27B
+) -> tuple[Path, Path]:
     """Write base/ (VL layout, sharded, index, config) and adapter/ under root."""
     import torch
     from safetensors.torch import save_file
 
+    H = geo.hidden
     g = torch.Generator().manual_seed(0)
-    pool = (torch.randn(INTER * H + 1024, generator=g) * 0.02).to(torch.bfloat16)
+    pool = (torch.randn(geo.intermediate * H + 1024, generator=g) * 0.02).to(torch.bfloat16)
     shapes: dict[str, tuple] = {}
     targets: dict[str, tuple] = {}
     for i, lt in enumerate(layer_types(layers)):
         p = f"model.language_model.layers.{i}."
-        lin = LINEAR if lt == "linear_attention" else FULL
-        for m, s in {**lin, **MLP}.items():
+        lin = geo.linear if lt == "linear_attention" else geo.full
+        for m, s in {**lin, **geo.mlp}.items():
             shapes[p + m + ".weight"] = s
             targets[f"base_model.model.model.language_model.layers.{i}.{m}"] = s
-        for m, s in (LINEAR_OTHER if lt == "linear_attention" else FULL_OTHER).items():
+        for m, s in (geo.linear_other if lt == "linear_attention" else geo.full_other).items():
             shapes[p + m] = s
         shapes[p + "input_layernorm.weight"] = (H,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
@@ -65,8 +64,8 @@ def build(root: Path, layers: int, shard_bytes: int, rank: int, embeddings: bool
     shapes["mtp.fc.weight"] = (H, 2 * H)
     shapes["mtp.norm.weight"] = (H,)
     if embeddings:
-        shapes["model.language_model.embed_tokens.weight"] = (VOCAB, H)
-        shapes["lm_head.weight"] = (VOCAB, H)
+        shapes["model.language_model.embed_tokens.weight"] = (geo.vocab, H)
+        shapes["lm_head.weight"] = (geo.vocab, H)
 
     base = root / "base"
     base.mkdir()
@@ -94,7 +93,7 @@ def build(root: Path, layers: int, shard_bytes: int, rank: int, embeddings: bool
     (base / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    text_cfg = text_config(layers)
+    text_cfg = geo.text_config(layers)
     (base / "config.json").write_text(
         json.dumps(
             {
@@ -168,8 +167,15 @@ def run(cmd: list[str]) -> tuple[float, float, float, str]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--build"]:
-        r, layers, shard_bytes, rank, emb = sys.argv[2:7]
-        build(Path(r), int(layers), int(shard_bytes), int(rank), emb == "True")
+        r, layers, shard_bytes, rank, emb, geo = sys.argv[2:8]
+        build(
+            Path(r),
+            int(layers),
+            int(shard_bytes),
+            int(rank),
+            emb == "True",
+            TINY if geo == "tiny" else QWEN36_27B,
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -181,7 +187,14 @@ def main() -> None:
     )
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="toy geometry (qwen36_27b.TINY), 4 layers in 3 shards, 1 repeat: seconds",
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.shard_gb, args.repeats, args.rank = 4, 40_000 / 2**30, 1, 4
 
     root = Path(tempfile.mkdtemp(prefix="merge-bench-", dir=args.workdir))
     try:
@@ -193,6 +206,7 @@ def main() -> None:
             str(int(args.shard_gb * 2**30)),
             str(args.rank),
             str(args.embeddings),
+            "tiny" if args.smoke else "qwen36_27b",
         ]
         run([sys.executable, __file__, "--build", *build_args])
         base, adapter = root / "base", root / "adapter"
@@ -238,10 +252,10 @@ def main() -> None:
                 os.sync()
                 wall, rss, cpu, _ = run(variants[name](out))
                 inner = None
-                if (out / "manifest.json").exists():
-                    man = json.loads((out / "manifest.json").read_text())
-                    inner = man["merge"]["seconds"]
-                    assert man["merge"]["merged_modules"] == man["merge"]["lora_pairs"]
+                if (out / MANIFEST).exists():
+                    man = read_manifest(out)  # pydantic only: this process still imports no torch
+                    inner = man.merge.seconds
+                    assert man.merge.merged_modules == man.merge.lora_pairs
                 results[name].append((wall, rss, cpu, inner))
                 print(
                     f"  {name:16s} rep {rep}: {wall:6.1f} s  {rss:7.0f} MiB  cpu {cpu:5.1f} s"

@@ -12,6 +12,7 @@ every tensor's values, base and served headers) against baselines measured in th
 reading the adapter file once, and its sha256 (which validation also computes).
 
 Run: .venv/bin/python benchmarks/validate_static.py [--repeat 3] [--keep DIR]
+     .venv/bin/python benchmarks/validate_static.py --smoke   # toy geometry: the harness works (exit 1 unless pass)
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qwen36_27b import FULL, LAYERS, LINEAR, MLP, VOCAB, H, layer_types, text_config  # noqa: E402
+from qwen36_27b import QWEN36_27B, TINY, Geometry, layer_types  # noqa: E402
 
-LAYER_TYPES = layer_types(LAYERS)
 BYTES = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
 
@@ -40,8 +40,11 @@ BYTES = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 VLLM = "0.33.0"
 
 
-def base_tensors(prefix: str, quantized: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+def base_tensors(
+    prefix: str, quantized: bool = False, geo: Geometry = QWEN36_27B
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{name: (dtype, shape)} of the checkpoint; quantized: decoder linears as NVFP4 (U8 + scales)."""
+    H, VOCAB, MLP, FULL, LINEAR = geo.hidden, geo.vocab, geo.mlp, geo.full, geo.linear
     t: dict[str, tuple[str, tuple[int, ...]]] = {
         f"{prefix}embed_tokens.weight": ("BF16", (VOCAB, H)),
         f"{prefix}norm.weight": ("BF16", (H,)),
@@ -52,15 +55,16 @@ def base_tensors(prefix: str, quantized: bool = False) -> dict[str, tuple[str, t
     # the MTP layer: one full-attention decoder layer, bf16 in both checkpoints (hf_quant_config excludes mtp*)
     for m, (o, n) in (dict(MLP) | FULL).items():
         t[f"mtp.layers.0.{m}.weight"] = ("BF16", (o, n))
-    for i, lt in enumerate(LAYER_TYPES):
+    for i, lt in enumerate(layer_types(geo.layers)):
         p = f"{prefix}layers.{i}."
         t[p + "input_layernorm.weight"] = ("BF16", (H,))
         t[p + "post_attention_layernorm.weight"] = ("BF16", (H,))
         mods = dict(MLP) | (FULL if lt == "full_attention" else LINEAR)
         if lt == "linear_attention":
-            t[p + "linear_attn.conv1d.weight"] = ("BF16", (10240, 1, 4))
-            t[p + "linear_attn.A_log"] = ("F32", (48,))
-            t[p + "linear_attn.dt_bias"] = ("BF16", (48,))
+            other = geo.linear_other
+            t[p + "linear_attn.conv1d.weight"] = ("BF16", other["linear_attn.conv1d.weight"])
+            t[p + "linear_attn.A_log"] = ("F32", other["linear_attn.A_log"])
+            t[p + "linear_attn.dt_bias"] = ("BF16", other["linear_attn.dt_bias"])
         for m, (o, n) in mods.items():
             if quantized:
                 t[p + m + ".weight"] = ("U8", (o, n // 2))
@@ -105,14 +109,15 @@ def write_sparse_checkpoint(
     return total
 
 
-def write_adapter(out: Path, r: int = 16) -> int:
+def write_adapter(out: Path, r: int = 16, geo: Geometry = QWEN36_27B) -> int:
     """Full-size PEFT adapter in the VL key layout; returns the parameter count."""
     import torch
     from safetensors.torch import save_file
 
+    MLP, FULL, LINEAR = geo.mlp, geo.full, geo.linear
     g = torch.Generator().manual_seed(0)
     tensors, n = {}, 0
-    for i, lt in enumerate(LAYER_TYPES):
+    for i, lt in enumerate(layer_types(geo.layers)):
         for m, (o, k) in (dict(MLP) | (FULL if lt == "full_attention" else LINEAR)).items():
             p = f"base_model.model.model.language_model.layers.{i}.{m}"
             tensors[p + ".lora_A.weight"] = (torch.randn(r, k, generator=g) * 0.01).to(torch.bfloat16)
@@ -149,11 +154,17 @@ def timed(fn, repeat: int) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", type=Path, help="build here and keep (default: a temp dir, removed)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="toy geometry (qwen36_27b.TINY), 1 repeat: the harness works"
+    )
     args = ap.parse_args()
+    geo, shards = (TINY, 3) if args.smoke else (QWEN36_27B, 15)
+    if args.smoke:
+        args.repeat = 1
 
     t = time.perf_counter()
     import torch  # noqa: F401 - imported once here so its import time is not in the figures
@@ -167,21 +178,23 @@ def main() -> None:
         vl = {
             "architectures": ["Qwen3_5ForConditionalGeneration"],
             "model_type": "qwen3_5",
-            "text_config": text_config(),
+            "text_config": geo.text_config(),
         }
-        base_bytes = write_sparse_checkpoint(root / "base", base_tensors("model.language_model."), vl, 15)
+        base_bytes = write_sparse_checkpoint(
+            root / "base", base_tensors("model.language_model.", geo=geo), vl, shards
+        )
         quant = {
             "producer": {"name": "modelopt"},
             "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "mtp*"]},
         }
         write_sparse_checkpoint(
             root / "served",
-            base_tensors("model.", quantized=True),
-            text_config() | {"architectures": ["Qwen3_5ForCausalLM"]},
+            base_tensors("model.", quantized=True, geo=geo),
+            geo.text_config() | {"architectures": ["Qwen3_5ForCausalLM"]},
             4,
             {"hf_quant_config.json": quant},
         )
-        params = write_adapter(root / "adapter")
+        params = write_adapter(root / "adapter", geo=geo)
         build_s = time.perf_counter() - t
         wfile = root / "adapter" / "adapter_model.safetensors"
         size = wfile.stat().st_size
@@ -223,7 +236,8 @@ def main() -> None:
         ]
         rep = reports[-1]
         print(
-            f"27B-shaped base: {base_bytes / 1e9:.1f} GB logical in 15 sparse shards; adapter: {params / 1e6:.1f} M "
+            f"{'toy' if args.smoke else '27B'}-shaped base: {base_bytes / 1e9:.1f} GB logical in {shards} sparse "
+            f"shards; adapter: {params / 1e6:.1f} M "
             f"params, {size / 1e6:.0f} MB bf16, {rep.stats['lora_modules']} modules; build {build_s:.1f} s; "
             f"`import torch` {import_s:.1f} s (not in the figures)"
         )
@@ -240,7 +254,8 @@ def main() -> None:
                 f"| {name} | {min(wall):.3f} | {statistics.median(wall):.3f} | {min(cpu):.3f} | "
                 f"{min(wall) / ref:.1f} |"
             )
+        return 0 if rep.verdict == "pass" else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
