@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/eval_noise.py [--runs 5] [--out benchmarks/results/eval_noise.json]
     .venv/bin/python benchmarks/eval_noise.py --smoke        # 2 runs of 2 steps: the harness works
+(The suite checks `row` and `summary` on its one session training: tests/benchmarks/test_smoke.py.)
 
 Every run is `pipeline.train.launch.train` on the same inputs as `pipeline demo`: the tiny random
 Qwen3.5 base (`build_tiny_base`, seed 0, built once), `axolotl_configs/tiny-cpu.yml` unchanged
@@ -33,6 +34,8 @@ os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
 from tests.support.helpers import write_project_config  # noqa: E402
 
+TINY = REPO / "axolotl_configs" / "tiny-cpu.yml"
+
 
 def trainings(root: Path, runs: int, steps: int | None) -> list[dict]:
     from pipeline.config import load_config
@@ -51,13 +54,20 @@ def trainings(root: Path, runs: int, steps: int | None) -> list[dict]:
             if steps:
                 sets += [f"max_steps={steps}", f"eval_steps={steps}", f"save_steps={steps}"]
             t = time.time()
-            res = train(cfg, REPO / "axolotl_configs" / "tiny-cpu.yml", overrides=sets, show_progress=False)
-            m = res.manifest.metrics
-            out.append({"eval_loss": m.eval_loss, "train_loss": m.train_loss, "s": time.time() - t})
-            print(f"run {i + 1}/{runs}: eval_loss {m.eval_loss!r} ({time.time() - t:.0f} s)", flush=True)
+            res = train(cfg, TINY, overrides=sets, show_progress=False)
+            out.append(row(res, time.time() - t))
+            print(
+                f"run {i + 1}/{runs}: eval_loss {out[-1]['eval_loss']!r} ({out[-1]['s']:.0f} s)", flush=True
+            )
     finally:
         os.chdir(cwd)
     return out
+
+
+def row(res, seconds: float) -> dict:
+    """One run's figures from its `TrainResult`: the manifest's losses (what the gate compares)."""
+    m = res.manifest.metrics
+    return {"eval_loss": m.eval_loss, "train_loss": m.train_loss, "s": seconds}
 
 
 def summary(losses: list[float]) -> dict:
