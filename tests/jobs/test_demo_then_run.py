@@ -2,9 +2,9 @@
 
 `pipeline demo` (what `make demo` runs) -> `pipeline run axolotl_configs/tiny-cpu.yml --name
 agent-tools` reports `skipped` (item 2: every registration records the same input fingerprint);
-`pipeline run ... --set max_steps=2` exits 5 and the gate's verdict and reason are on the version
-and in `status` (item 4); without a TTY, training prints progress lines (item 7); `--json` prints
-one JSON document on stdout (item 8).
+without a TTY, training prints progress lines (item 7); `--json` prints one JSON document on
+stdout (item 8). A gated run's verdict and reason in `status` (item 4) are checked where a run is
+gated anyway (tests/jobs/test_run.py: the resumed candidate), not with a third training here.
 """
 
 import json
@@ -41,7 +41,7 @@ def pipeline(root, *args, timeout=1200):
     )
 
 
-def test_demo_then_run_skips_then_gated_run_is_visible(project):
+def test_demo_then_run_skips(project):
     r = pipeline(project, "demo", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     demo = json.loads(r.stdout)  # stdout holds exactly one JSON document
@@ -56,17 +56,7 @@ def test_demo_then_run_skips_then_gated_run_is_visible(project):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["status"] == "skipped" and out["version"] == 1, out
 
-    r = pipeline(
-        project, "run", "axolotl_configs/tiny-cpu.yml", "--name", "agent-tools", "--set", "max_steps=2"
-    )
-    assert r.returncode == 5, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["status"] == "gated" and out["version"] == 2
-
     r = pipeline(project, "status", "agent-tools", "--json")
     assert r.returncode == 0, r.stderr
-    rows = {v["version"]: v for v in json.loads(r.stdout)["models"][0]["versions"]}
-    assert rows[2]["gate"]["verdict"] == "gated" and rows[2]["gate"]["reason"] == out["reason"]
-    assert rows[1]["gate"] is None and isinstance(rows[2]["eval_loss"], float)
-    r = pipeline(project, "status", "agent-tools")
-    assert "gated" in r.stdout
+    (v1,) = json.loads(r.stdout)["models"][0]["versions"]
+    assert v1["version"] == 1 and v1["gate"] is None and isinstance(v1["eval_loss"], float)

@@ -1,6 +1,10 @@
 """`pipeline run` as a scheduler calls it: skip unchanged inputs, lock, resume after SIGKILL, gate.
 
-Real axolotl training on the tiny base (a few steps each), real sqlite MLflow.
+Real axolotl training on the tiny base (a few steps each), real sqlite MLflow. The first run
+publishes the session's one training (`trained`, reused as a run killed after training leaves
+it: `reusing finished training`); the second test trains through `pipeline run` itself (killed
+mid-training, resumed, gated), so each path runs once and the suite pays for two trainings here,
+not three (issue 26 item 6).
 """
 
 import json
@@ -14,7 +18,10 @@ import time
 import pytest
 
 from pipeline import registry
+from pipeline.artifacts.fingerprint import training_inputs
 from pipeline.config import load_config
+from pipeline.train.config import load_training_config
+from pipeline.train.launch import check_inputs
 from tests.support.helpers import REPO, write_project_config
 
 pytestmark = pytest.mark.slow
@@ -73,15 +80,20 @@ def n_runs(cfg) -> int:
     return len(c.search_runs([exp.experiment_id])) if exp else 0
 
 
-def test_first_run_publishes_then_unchanged_inputs_skip(proj):
+def test_first_run_publishes_then_unchanged_inputs_skip(proj, trained):
+    cfg = load_config(proj["cfg_path"])
+    tc = load_training_config(TINY, proj["sets"], [])
+    fp = training_inputs(check_inputs(cfg, tc, set()).fingerprint, tc.data)["fingerprint"]
+    # where `pipeline run` trains these inputs: a finished training there is published, not redone
+    shutil.copytree(trained[1].adapter_dir, cfg.train.runs_dir / f"agent-tools-{fp[:12]}" / "adapter")
     r = cli_run(proj)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "reusing finished training" in r.stderr
     out = last_json(r.stdout)
     assert (
         out["status"] == "published" and out["version"] == 1 and out["published"].endswith("agent-tools-v1")
     )
     assert {"check", "train", "validate", "register", "publish", "total"} <= set(out["seconds"])
-    cfg = load_config(proj["cfg_path"])
     runs = n_runs(cfg)
 
     r = cli_run(proj)
@@ -139,6 +151,27 @@ def test_concurrent_run_locked_then_sigkill_resumes_and_gate_holds(proj):
     # the resumed run continued the same training directory and MLflow run
     assert len(list(cfg.train.runs_dir.glob("agent-tools-*"))) == 2
     assert n_runs(cfg) == runs_before + 1
+    # the gate's verdict and reason are on the version and in `status` (issue 17 item 4)
+    env = dict(os.environ, PIPELINE_CONFIG=str(proj["cfg_path"]))
+    st = subprocess.run(
+        [sys.executable, "-m", "pipeline", "status", "agent-tools", "--json"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert st.returncode == 0, st.stderr
+    rows = {v["version"]: v for v in json.loads(st.stdout)["models"][0]["versions"]}
+    assert rows[2]["gate"] == {"verdict": "gated", "reason": out["reason"]}
+    assert rows[1]["gate"]["verdict"] == "pass" and isinstance(rows[2]["eval_loss"], float)
+    st = subprocess.run(
+        [sys.executable, "-m", "pipeline", "status", "agent-tools"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert st.returncode == 0 and "gated" in st.stdout
 
 
 # Without training (tests/jobs/test_run_resume.py): a run killed between register and publish is
