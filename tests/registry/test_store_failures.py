@@ -100,7 +100,7 @@ def test_database_is_locked_met_later_is_a_store_error():
 
 
 def test_file_that_is_not_a_database(tmp_path):
-    cfg = new_project(tmp_path)
+    cfg = new_project(tmp_path, store=False)
     cfg.state_dir.mkdir(parents=True)
     (cfg.state_dir / "mlflow.db").write_bytes(b"this is not sqlite" * 100)
     r = _cli(cfg, "status")

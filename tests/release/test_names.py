@@ -126,7 +126,7 @@ def test_register_refuses_bad_names_before_validation_runs(tmp_path, release_ada
         raise AssertionError("validation ran before the name was checked")
 
     monkeypatch.setattr(cli_registry, "validate_with_config", no_validation)
-    cfg = new_project(tmp_path)
+    cfg = new_project(tmp_path, store=False)
     r = _cli(cfg, "register", release_adapters[0][0], "--name", name)
     assert r.exit_code == 2, r.output
     assert "Adapter names use:" in r.output and "Traceback" not in r.output
@@ -151,7 +151,7 @@ def test_register_refuses_bad_names_before_validation_runs(tmp_path, release_ada
     ids=lambda a: " ".join(a)[:40],
 )
 def test_every_entry_point_checks_the_name_first(tmp_path, args):
-    cfg = new_project(tmp_path)
+    cfg = new_project(tmp_path, store=False)
     r = _cli(cfg, *args)
     assert r.exit_code == 2, r.output
     assert "Adapter names use:" in r.output and "Traceback" not in r.output

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import REPO, write_project_config
+from tests.support.helpers import REPO, seed_store, write_project_config
 from tests.support.registry_support import adapter_with_manifest
 
 
@@ -31,17 +31,14 @@ class Killed(BaseException):
 @contextlib.contextmanager
 def crash_at(point: str, thread: str | None = None):
     """Raise `Killed` when a transaction reaches checkpoint `point` (in thread `thread`, if given)."""
-    from pipeline.release import transaction
+    from pipeline.release.transaction import observe
 
     def hook(p: str) -> None:
         if p == point and (thread is None or threading.current_thread().name == thread):
             raise Killed(point)
 
-    transaction.hook = hook
-    try:
+    with observe(hook):
         yield
-    finally:
-        transaction.hook = None
 
 
 class Gate:
@@ -60,15 +57,10 @@ class Gate:
         self.go.set()
 
 
-@contextlib.contextmanager
 def hooked(fn):
-    from pipeline.release import transaction
+    from pipeline.release.transaction import observe
 
-    transaction.hook = fn
-    try:
-        yield
-    finally:
-        transaction.hook = None
+    return observe(fn)
 
 
 class Worker(threading.Thread):
@@ -122,12 +114,19 @@ def forget_mlflow_engines() -> None:
                 attr.cache_clear()
 
 
-def new_project(root: Path, **sections):
-    """A fresh project (own sqlite store and volume) under `root`."""
+def new_project(root: Path, store: bool = True, **sections):
+    """A fresh project (own sqlite store and volume) under `root`.
+
+    `store`: start from an empty MLflow store (`seed_store`: no schema migrations to wait for);
+    False: no store file at all, as in a project no command has written to yet.
+    """
     from pipeline.config import load_config
 
     root.mkdir(parents=True, exist_ok=True)
-    return load_config(write_project_config(root, **sections))
+    cfg = load_config(write_project_config(root, **sections))
+    if store:
+        seed_store(cfg.state_dir)
+    return cfg
 
 
 def register_versions(cfg, name: str, adapters, n: int) -> list[int]:
