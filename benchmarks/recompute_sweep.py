@@ -7,7 +7,7 @@ policy every few optimizer steps, with the mechanisms a config would use:
   offload=...)` (what `gradient_checkpointing_kwargs: {every_n_layers: k, offload: true}` makes the
   Trainer call; `offload` needs transformers >= 5.17); 0 = no recompute at all;
 - `types`: pipeline.train.recompute.apply_layer_types (`pipeline_recompute_layer_types`);
-- `fla_gdn`: pipeline.train.packing.FLA_FOR_ALL_ROWS (`pipeline_fla_gdn`).
+- `fla_gdn`: pipeline.train.packing.route_all_rows (`pipeline_fla_gdn`).
 The driver takes tokens/s and peak memory from the run's metrics.jsonl over the phase's steps after
 the first (axolotl logs `memory/max_allocated` per step and resets the CUDA peak counter each log).
 
@@ -75,7 +75,7 @@ class SweepCallback(TrainerCallback):
             )
             if p.get("types"):
                 apply_layer_types(inner, p["types"])
-        packing.FLA_FOR_ALL_ROWS = self._fla_gdn(p)
+        packing.route_all_rows(self._fla_gdn(p))
         return recompute_summary(inner)
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):

@@ -138,7 +138,7 @@ class PipelinePlugin(BasePlugin):
         packed = cfg.sample_packing or cfg.eval_sample_packing
         if (packed or cfg.pipeline_fla_gdn) and cfg.model_config_type in packing.FAMILIES:
             packing.apply(cfg.model_config_type)
-            packing.FLA_FOR_ALL_ROWS = bool(cfg.pipeline_fla_gdn)
+            packing.route_all_rows(bool(cfg.pipeline_fla_gdn))
             import torch
 
             kernels = packing.kernels_for("cuda" if torch.cuda.is_available() else "cpu")

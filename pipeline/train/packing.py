@@ -49,8 +49,15 @@ FAMILIES = {
 _ORIGINAL = "__pipeline_packing_original__"
 # Route every row (not only packed ones) through the forward below when on CUDA with fla: fla's
 # Triton causal conv instead of transformers' F.conv1d fallback, axolotl's fused LoRA in-projections.
-# Set by the plugin from `pipeline_fla_gdn` (pipeline.train.recompute.PipelineArgs).
+# Set through `route_all_rows` by the plugin from `pipeline_fla_gdn` (pipeline.train.recompute.PipelineArgs).
 FLA_FOR_ALL_ROWS = False
+
+
+def route_all_rows(on: bool) -> None:
+    """Set `FLA_FOR_ALL_ROWS` (the plugin; benchmarks/recompute_sweep.py per phase). A call, so that a
+    renamed flag fails loudly where an assignment would set a module attribute nothing reads."""
+    global FLA_FOR_ALL_ROWS
+    FLA_FOR_ALL_ROWS = bool(on)
 
 
 # -- boundaries ------------------------------------------------------------------------------------
