@@ -25,6 +25,7 @@ INTERNAL = {
     "pipeline.validate.facts.Unavailable": "a rule lacks a fact another rule reports: the orchestrator skips it",
     "pipeline.validate.behaviour.BehaviourUnavailable": "caught by the behaviour rule, reported as a finding",
     "pipeline.registry.read.SchemaMismatch": "the SQL reader falls back to the MLflow client",
+    "pipeline.train.gate.GateUnavailable": "train counts tokens at training time instead (pipeline.train.launch)",
 }
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.errors import UsageError
+
 KIB, MIB = 1 << 10, 1 << 20
 MAX_DEPTH = 64  # JSON / YAML nesting (Python's C JSON parser overflows near 1,000 minus the stack in use)
 MAX_TEMPLATE_DEPTH = 32  # Jinja brackets and blocks: ~15 frames per level in jinja2's parser
@@ -37,8 +39,8 @@ _BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[{]}")
 
 
-class BoundsError(ValueError):
-    """A text over a size or depth bound; the message names the file and the bound."""
+class BoundsError(UsageError, ValueError):
+    """A text over a size or depth bound (bad input, exit 2); the message names the file and the bound."""
 
 
 def nesting_depth(raw: bytes | str) -> int:
