@@ -15,7 +15,8 @@
   at boot); `ExecStart=` names the `pipeline` executable by absolute path (systemd refuses a bare
   name it cannot find in its own search path); the project is the working directory; secrets
   through `EnvironmentFile=`; `KillMode=mixed` + `TimeoutStopSec` let SIGTERM end the run cleanly.
-- Slurm scrontab line with `#SCRON` options (absolute path too: cron's PATH is minimal).
+- Slurm scrontab line with `#SCRON` options (absolute path too: cron's PATH is minimal;
+  `--locked-ok`, as Slurm records any other exit as FAILED).
 
 Validated in the tests with the Kubernetes OpenAPI schemas (kubernetes-validate, strict) and
 `systemd-analyze verify`.
@@ -219,7 +220,8 @@ class ScheduleSpec(BaseModel):
         cmd = [self.executable(kind), "run", self.config, "--name", self.name]
         if self.gpus > 1:  # the job trains on the GPUs it reserves (`pipeline run --gpus`)
             cmd += ["--gpus", str(self.gpus)]
-        return [*cmd, "--locked-ok"] if kind == "cronjob" else cmd
+        # systemd says "3 is success" itself (SuccessExitStatus=3); a Job and Slurm count any non-zero as failed
+        return cmd if kind == "systemd" else [*cmd, "--locked-ok"]
 
 
 def cronjob(spec: ScheduleSpec) -> dict:

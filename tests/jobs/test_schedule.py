@@ -189,6 +189,7 @@ def test_scrontab_line():
     assert all(line.startswith("#SCRON ") for line in lines[:-1]) and "--gres=gpu:1" in text
     fields = lines[-1].split(None, 5)
     assert fields[:5] == ["30", "2", "*", "*", "1-5"] and "/pipeline run" in fields[5]
+    assert fields[5].endswith("--locked-ok")  # a run that finds the lock taken is not a failed job
 
 
 @pytest.mark.parametrize("bad", ["0 3 * *", "every day", "0 3 * * * *"])
