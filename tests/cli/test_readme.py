@@ -75,3 +75,18 @@ def test_every_command_the_readme_shows_exists_with_its_options():
                 if opt.startswith("-") and opt != "--" and opt not in known:
                     bad.append(f"{line}: {cmd.name} has no option {opt}")
     assert bad == []
+
+
+def test_the_latency_table_is_the_measured_one():
+    """Item 11: docs/registry.md said register takes 43 s and promote 15-17 s, long after they did not:
+    its CLI latency table must be benchmarks/results/cli_latency.json, row for row."""
+    import json
+
+    data = json.loads((REPO / "benchmarks" / "results" / "cli_latency.json").read_text())
+    doc = (REPO / "docs" / "registry.md").read_text().split("### CLI latency", 1)[1]
+    table = [ln for ln in doc.split("\n\n", 3)[2].splitlines() if ln.startswith("| ")][1:]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in table if not ln.startswith("|---")]
+    assert [r[0] for r in rows] == [r["command"] for r in data["rows"]]
+    for cells, r in zip(rows, data["rows"], strict=True):
+        assert cells[1:4] == [f"{r['median_s']:.2f}", f"{r['max_s']:.2f}", f"{r['cpu_median_s']:.2f}"], cells
+    assert "43 s wall" not in (REPO / "docs" / "registry.md").read_text()  # the stale register figure
