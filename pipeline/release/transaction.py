@@ -76,8 +76,24 @@ OPS = ("publish", "rollback", "prune")
 PHASES = ("prepared", "volume", "fleet")
 MAX_INTENT_BYTES = 1 * MIB
 
-# Tests replace this with a function of the checkpoint name (raise, block, record).
+# Called with the checkpoint name at every checkpoint (`observe`): tests raise or block, benchmarks time.
 hook: Callable[[str], None] | None = None
+
+
+@contextlib.contextmanager
+def observe(fn: Callable[[str], None]):
+    """Call `fn(point)` at every `checkpoint` this process reaches while the block runs.
+
+    Where a test injects a crash or pauses a thread (tests/support/release_support.py) and a
+    benchmark times the phases of a publish (`after-volume`: registry and volume done, the fleet
+    step begins; `after-fleet`: every instance confirmed; benchmarks/publish_latency.py).
+    """
+    global hook
+    before, hook = hook, fn
+    try:
+        yield
+    finally:
+        hook = before
 
 
 def checkpoint(point: str) -> None:
