@@ -632,3 +632,22 @@ def test_vllm_h200_driver_smoke_on_the_cpu_fleet(fleet, tmp_path):
     assert kv["repoint_answer_equals_fresh_v2"] and not kv["stale_kv_served"]
     for inst in (a, b):  # the probe names are gone; the published versions stay
         assert not [n for n in roots(inst) if n.startswith("stale-")]
+
+
+# -- benchmarks/publish_latency.py's smoke: its measurement on these instances (no start of its own) -----------
+def test_publish_latency_benchmark_measures_one_publish(fleet):
+    """Issue 26: the benchmark patched `publish.rollout`, which had moved, and nobody noticed. Its
+    `measure` runs here on the module's instances, so a refactor that breaks it fails the suite."""
+    import sys
+
+    from tests.support.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import publish_latency
+
+    res = publish_latency.measure(fleet.cfg, list(fleet.servers.values()), fleet.base, fleet.root, repeats=1)
+    assert res.ok, (res.failures, res.requests_failed)
+    assert len(res.serving) == len(res.total) == len(res.base_load) == 1 and res.requests_ok > 0
+    assert 0 < res.before_rollout[0] < res.total[0] and 0 < res.in_rollout[0] < res.total[0]
+    text = publish_latency.table(res, "smoke")
+    assert "whole publish() call" in text and "failed publishes / loads: 0" in text
