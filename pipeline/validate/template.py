@@ -22,7 +22,7 @@ tokenizers, no transformers).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -193,6 +193,10 @@ class TrainingSide:
     template: str
     tokenizer: ChatTokenizer | None  # None: the adapter ships a template only
     source: str
+    # what axolotl passed the template besides the messages (the config's `chat_template_kwargs`, e.g.
+    # enable_thinking: false; axolotl/prompt_strategies/chat_template.py build_prompt); vLLM renders a request
+    # without them unless the client sends them
+    kwargs: dict = field(default_factory=dict)
 
 
 def training_side_from_config(
@@ -212,7 +216,9 @@ def training_side_from_config(
     if tok is None:
         needs_tokenizer = str(_template_choice(data)[0]).startswith("tokenizer_default")
         tmpl, choice = (None, None) if needs_tokenizer else resolve_axolotl_template(data, None)
-        return TrainingSide(tmpl, None, f"{cfg_path} (chat_template: {choice})") if tmpl else None
+        kwargs = data.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        return TrainingSide(tmpl, None, f"{cfg_path} (chat_template: {choice})", kwargs) if tmpl else None
     overrides = (data.get("special_tokens") or {}) if isinstance(data.get("special_tokens"), dict) else {}
     for k, v in overrides.items():
         if isinstance(v, str):
@@ -221,7 +227,10 @@ def training_side_from_config(
                 i = tok.tokenizer.token_to_id(v)
                 tok.eos_ids = {i} if i is not None else set()
     tmpl, choice = resolve_axolotl_template(data, tok.template)
-    return TrainingSide(tmpl, tok, f"{cfg_path} (chat_template: {choice})")
+    kwargs = data.get("chat_template_kwargs")
+    return TrainingSide(
+        tmpl, tok, f"{cfg_path} (chat_template: {choice})", dict(kwargs) if isinstance(kwargs, dict) else {}
+    )
 
 
 def training_side(
@@ -297,8 +306,12 @@ def _safe_renderings(train, served, failed):
             (f"{name} (generation prompt)", messages[: last_user + 1], True),
         ):
             try:
-                a = ttok.render_ids(
-                    train.template, msgs, tools, add_generation_prompt=gen, enable_thinking=True
+                a = ttok.render_ids(  # as axolotl rendered it: with the config's chat_template_kwargs
+                    train.template,
+                    msgs,
+                    tools,
+                    add_generation_prompt=gen,
+                    **{"enable_thinking": True, **train.kwargs},
                 )
                 b = served.render_ids(  # vLLM picks the tokenizer's "tool_use" template for requests with tools
                     served.template_for(tools), msgs, tools, add_generation_prompt=gen, enable_thinking=True

@@ -140,8 +140,15 @@ def divergence(ctx: Facts):
         yield Issue(
             f"conversation {name!r}: token {i} differs; after {ctx_txt!r} training renders "
             f"{ttok.decode(a[i : i + CONTEXT_TOKENS])!r} but the fleet renders "
-            f"{served.decode(b[i : i + CONTEXT_TOKENS])!r}: serve with the training template "
-            "(vLLM --chat-template) or retrain with the served checkpoint's template",
+            f"{served.decode(b[i : i + CONTEXT_TOKENS])!r}: "
+            + (
+                f"training rendered it with chat_template_kwargs {train.kwargs} (axolotl), which vLLM applies only "
+                "to requests that send them: have every client send them (or the instances' "
+                "--default-chat-template-kwargs), or retrain without them"
+                if train.kwargs
+                else "serve with the training template (vLLM --chat-template) or retrain with the served "
+                "checkpoint's template"
+            ),
             where,
         )
 

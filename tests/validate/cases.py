@@ -1472,6 +1472,22 @@ CASES = [
         ["chatml"],
         _resolved("chatml", chat_template="chatml"),
     ),
+    # the same template rendered with the training config's chat_template_kwargs (axolotl passes them; vLLM only
+    # when a request sends them): enable_thinking false empties the think block of every generation prompt
+    (
+        "template.divergence",
+        "error",
+        ("dir", _with_tokenizer),
+        {},
+        [
+            "generation prompt",
+            "chat_template_kwargs {'enable_thinking': False}",
+            "--default-chat-template-kwargs",
+        ],
+        _resolved(
+            "thinking-off", chat_template="tokenizer_default", chat_template_kwargs={"enable_thinking": False}
+        ),
+    ),
     (
         "template.eos_terminator",
         "error",
