@@ -77,6 +77,13 @@ DECLARED: tuple[Entry, ...] = (
         _DATASET,
     ),
     Entry(
+        "dataset.dropped",
+        "error",
+        "axolotl's own tokenisation and filters would keep no conversation, or drop more than "
+        "`train.max_dropped_share` of the conversations or trainable tokens (pipeline.train.gate)",
+        "pipeline train, run",
+    ),
+    Entry(
         "dataset.too_long",
         "warning",
         "conversations longer than `sequence_len` tokens (axolotl drops them)",
