@@ -480,6 +480,66 @@ def _build_base(work: Path, base: Path, layers: int, log) -> bool:
     return rc == 0
 
 
+def train_sets(e: dict, work: Path, base: Path, sets: list[str] | None = None) -> list[str]:
+    """The `--set` overrides of experiment `e`'s `pipeline train` run: the fixed ones (base, length,
+    steps, no evaluation or checkpoints, the synthetic data), then `sets` (default: `e["sets"]`;
+    `_run_one` adds the chosen recompute policy), then the sweep plugin when `e` sweeps."""
+    sets = list(e["sets"] if sets is None else sets)
+    out = [
+        f"base_model={base}",
+        "base_model_revision=null",
+        f"sequence_len={e['seq']}",
+        f"max_steps={e['steps']}",
+        "gradient_accumulation_steps=1",
+        "eval_strategy='no'",
+        "save_strategy='no'",
+        "test_datasets=null",
+        "eval_steps=null",
+        "save_steps=null",
+        f"dataset_prepared_path={work / 'prepared'}",
+        f"datasets={_ds(work / 'data' / (e['data'] + '.jsonl'))}",
+        *sets,
+    ]
+    if e.get("sweep"):  # added to the config's plugins (the last --set plugins=... wins)
+        plugins = next((x.split("=", 1)[1] for x in reversed(sets) if x.startswith("plugins=")), None)
+        listed = yaml.safe_load(plugins) if plugins else ["axolotl.integrations.liger.LigerPlugin"]
+        out.append(f"plugins=[{', '.join([*listed, SWEEP_PLUGIN])}]")
+    return out
+
+
+def smoke(work: Path) -> int:
+    """CPU check of the driver in seconds (the suite runs it): the tiny base and data at toy sizes, and
+    every `pipeline train` experiment of every plan through the pipeline's own config check (known
+    keys, axolotl's validation), so a renamed key or a bad value in a plan fails here, not on the GPU."""
+    from pipeline.dev.tinybase import build_tiny_base
+    from pipeline.errors import PipelineError
+    from pipeline.train.config import load_training_config
+    from pipeline.train.schema import check_axolotl_schema
+
+    base = work / "real4"
+    if not (base / ".done").exists():
+        build_tiny_base(base)
+        (base / ".done").touch()
+    lengths = make_data(work / "data", base, seqs=(512,), mix_median=100, mix_max=400, mix_n=8)
+    print(f"data: {json.dumps({k: (min(v), max(v), len(v)) for k, v in lengths.items()})}")
+    bad, n = [], 0
+    for plan, experiments in sorted(PLANS.items()):
+        for e in experiments:
+            if e["kind"] != "train":
+                continue
+            overlays = [REPO / FSDP2] if e["overlay"] else []
+            try:
+                tc = load_training_config(REPO / CONFIG, train_sets(e, work, base), overlays)
+                check_axolotl_schema(tc)
+            except PipelineError as err:
+                bad.append(f"{plan}/{e['name']}: {str(err)[:400]}")
+            n += 1
+    print(f"{n} train experiments in {len(PLANS)} plans checked; {len(bad)} refused")
+    for b in bad:
+        print("  " + b)
+    return 1 if bad else 0
+
+
 def _run_one(e: dict, work: Path, out: Path, peaks: dict, log, done: dict | None = None) -> dict:
     base = work / f"real{e['layers']}"
     run_dir = work / "runs" / e["name"]
@@ -498,47 +558,10 @@ def _run_one(e: dict, work: Path, out: Path, peaks: dict, log, done: dict | None
         log(
             f"{e['name']}: policy {rec['policy']['phase'] and rec['policy']['phase']['name']}: {rec['policy']['sets']}"
         )
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "train",
-        CONFIG,
-        "--name",
-        e["name"],
-        "--no-progress",
-        "--set",
-        f"base_model={base}",
-        "--set",
-        "base_model_revision=null",
-        "--set",
-        f"sequence_len={e['seq']}",
-        "--set",
-        f"max_steps={e['steps']}",
-        "--set",
-        "gradient_accumulation_steps=1",
-        "--set",
-        "eval_strategy='no'",
-        "--set",
-        "save_strategy='no'",
-        "--set",
-        "test_datasets=null",
-        "--set",
-        "eval_steps=null",
-        "--set",
-        "save_steps=null",
-        "--set",
-        f"dataset_prepared_path={work / 'prepared'}",
-        "--set",
-        f"datasets={_ds(work / 'data' / (e['data'] + '.jsonl'))}",
-    ]
-    for item in rec["sets"]:
+    cmd = [sys.executable, "-m", "pipeline", "train", CONFIG, "--name", e["name"], "--no-progress"]
+    for item in train_sets(e, work, base, rec["sets"]):
         cmd += ["--set", item]
     sweep_out = out / f"{e['name']}-phases.jsonl"
-    if e.get("sweep"):  # added to the config's plugins (the last --set plugins=... wins)
-        plugins = next((x.split("=", 1)[1] for x in reversed(rec["sets"]) if x.startswith("plugins=")), None)
-        listed = yaml.safe_load(plugins) if plugins else ["axolotl.integrations.liger.LigerPlugin"]
-        cmd += ["--set", f"plugins=[{', '.join([*listed, SWEEP_PLUGIN])}]"]
     if e["overlay"]:
         cmd += ["--overlay", FSDP2, "--gpus", str(e["gpus"])]
     elif e["gpus"] > 1:  # pipeline train picks (or is told) DDP or FSDP2: pipeline.train.strategy
@@ -908,6 +931,10 @@ def main() -> None:
     d.add_argument("--mix-median", type=int, default=900)
     d.add_argument("--mix-max", type=int, default=4000)
     d.add_argument("--mix-n", type=int, default=600)
+    sm = sub.add_parser(
+        "smoke", help="seconds, CPU: tiny data, every plan's train config checked (the suite's)"
+    )
+    sm.add_argument("--work", type=Path, required=True)
     sb = sub.add_parser("smoke-base", help="the tiny text-layout base at WORK/real4 (CPU smoke tests)")
     sb.add_argument("--work", type=Path, required=True)
     r = sub.add_parser("run")
@@ -935,6 +962,8 @@ def main() -> None:
             a.out, a.tokenizer, seqs=tuple(a.seqs), mix_median=a.mix_median, mix_max=a.mix_max, mix_n=a.mix_n
         )
         print(json.dumps({k: (min(v), max(v), len(v)) for k, v in lengths.items()}))
+    elif a.cmd == "smoke":
+        sys.exit(smoke(a.work))
     elif a.cmd == "smoke-base":  # the text-layout tiny base: the VL class needs torchvision for its processor
         from pipeline.dev.tinybase import build_tiny_base
 

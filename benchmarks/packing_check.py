@@ -22,6 +22,7 @@ per-sample relative loss difference is below --tol (1e-3) and the unpatched cont
 differ at least 10x more than the pipeline path's (the check would notice a leak).
 
     python benchmarks/packing_check.py --base DIR --out result.json [--samples 24] [--row 4096]
+    python benchmarks/packing_check.py --smoke   # CPU, seconds: tiny base, 4 samples in rows of 256, no grads
 """
 
 from __future__ import annotations
@@ -31,12 +32,26 @@ import json
 import math
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
+SMOKE_SETS = [  # no Triton kernels on CPU (axolotl_h200.CPU)
+    "model_type=AutoModelForCausalLM",
+    "liger_fused_linear_cross_entropy=false",
+    "bf16=false",
+    "tf32=false",
+    "liger_rms_norm=false",
+    "liger_rms_norm_gated=false",
+    "liger_glu_activation=false",
+    "lora_mlp_kernel=false",
+    "lora_qkv_kernel=false",
+    "lora_o_kernel=false",
+    f"plugins=[{PLUGIN}]",
+]
 
 
 def _logit_rel_diffs(logits, ref_logits: list, bounds) -> list[float]:
@@ -84,17 +99,33 @@ def _lora_grads(model):
     )
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--base", type=Path, help="required unless --smoke (which builds the tiny base)")
+    ap.add_argument("--out", type=Path, help="required unless --smoke")
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--row", type=int, default=4096)
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grads", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--set", action="append", default=[], help="config override key=YAML (CPU smoke tests)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the check on CPU in seconds (the suite runs it); exit 1 unless ok",
+    )
     a = ap.parse_args()
+    if a.smoke:  # the CPU settings of benchmarks/axolotl_h200.py's CPU plans, with the pipeline's plugin
+        tmp = Path(tempfile.mkdtemp(prefix="packing-smoke-"))
+        if a.base is None:
+            from pipeline.dev.tinybase import build_tiny_base
+
+            a.base = build_tiny_base(tmp / "base")
+        a.out = a.out or tmp / "result.json"
+        a.samples, a.row, a.grads = 4, 256, False
+        a.set = [*SMOKE_SETS, *a.set]
+    elif a.base is None or a.out is None:
+        ap.error("--base and --out are required (or --smoke)")
 
     os.environ.update(AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     import torch
@@ -253,7 +284,8 @@ def main() -> None:
         res["seconds"] = round(time.time() - t0, 1)
         a.out.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, list)}))
+    return 0 if res["ok"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

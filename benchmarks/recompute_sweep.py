@@ -14,13 +14,17 @@ the first (axolotl logs `memory/max_allocated` per step and resets the CUDA peak
     RECOMPUTE_SWEEP='[{"name": "full", "every_n_layers": 1, "steps": 3}, ...]'
     RECOMPUTE_SWEEP_OUT=phases.jsonl  (one JSON line per phase: name, first/last step, layers)
     plugins: [..., benchmarks.recompute_sweep.SweepPlugin]
+
+    python benchmarks/recompute_sweep.py --smoke   # CPU, seconds: the callback's phases on the tiny base
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 from axolotl.integrations.base import BasePlugin
 from transformers import TrainerCallback
@@ -114,3 +118,40 @@ class SweepPlugin(BasePlugin):
     def add_callbacks_pre_trainer(self, cfg, model):
         phases = json.loads(os.environ.get("RECOMPUTE_SWEEP", "[]"))
         return [SweepCallback(phases, os.environ["RECOMPUTE_SWEEP_OUT"])] if phases else []
+
+
+def smoke() -> int:
+    """The callback through benchmarks/axolotl_h200.py's CPU sweep, on the tiny base (no trainer, no
+    training): each phase applied at its first step and recorded at its last. Exit 1 on a mismatch."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from axolotl_h200 import SMOKE_SWEEP
+
+    from pipeline.dev.tinybase import build_tiny_base
+
+    tmp = Path(tempfile.mkdtemp(prefix="sweep-smoke-"))
+    model = AutoModelForCausalLM.from_pretrained(str(build_tiny_base(tmp / "base")))
+    model.train()
+    cb = SweepCallback(SMOKE_SWEEP, str(tmp / "phases.jsonl"))
+    args = SimpleNamespace(gradient_checkpointing_kwargs={"use_reentrant": False})
+    state = SimpleNamespace(global_step=0)
+    for _ in range(sum(p["steps"] for p in SMOKE_SWEEP)):
+        cb.on_step_begin(args, state, None, model=model)
+        state.global_step += 1
+        cb.on_step_end(args, state, None)
+    got = [json.loads(x) for x in (tmp / "phases.jsonl").read_text().splitlines()]
+    ok = [g["name"] for g in got] == [p["name"] for p in SMOKE_SWEEP]
+    for g in got:
+        print(f"{g['name']:24s} steps {g['first_step']}-{g['last_step']}: {g['layers']}")
+    print("phases: " + ("as planned" if ok else "DIFFER"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--smoke"]:
+        raise SystemExit(__doc__)
+    sys.exit(smoke())
