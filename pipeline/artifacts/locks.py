@@ -4,12 +4,21 @@
 dies, even by SIGKILL, so a crashed publish never leaves a stale lock). It is re-entrant per
 thread: a publish holding the fleet lock may call code (the fleet rollout, sync) that takes it
 again. Two threads or processes exclude each other.
+
+Every lock file of the pipeline is made by `private_lock`: mode 0600. `flock` needs only an open
+descriptor, read-only will do, so a lock file other users can read (0644, the umask's default) is
+one any local account can hold forever: `nobody` holding `<volume>/.locks/NAME.lock` stopped every
+publish and rollback of NAME, and holding `<state_dir>/locks/NAME.lock` made every scheduled
+`pipeline run` exit 3 ("another run holds the lock", 0 with `--locked-ok`). A lock file made
+earlier with another mode is set to 0600 when this user owns it (a descriptor someone opened
+before stays open: the kernel checks modes at open only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -18,6 +27,17 @@ from filelock import FileLock, Timeout
 from pipeline.errors import LockedError, VolumeError
 
 _held = threading.local()
+LOCK_MODE = 0o600
+
+
+def private_lock(path: Path) -> FileLock:
+    """A `filelock.FileLock` on `path` whose file only this user can open (module doc)."""
+    path = Path(path)
+    with contextlib.suppress(OSError):  # absent, or a filesystem that refuses: acquiring says why
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != LOCK_MODE:
+            os.chmod(path, LOCK_MODE)
+    return FileLock(str(path), mode=LOCK_MODE)
 
 
 def _depths() -> dict[str, int]:
@@ -46,7 +66,7 @@ def file_lock(path: Path, timeout_s: float, what: str):
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(path))
+        lock = private_lock(path)
         lock.acquire(timeout=timeout_s)
     except Timeout as e:
         raise LockedError(f"{path}: {what} holds the lock; waited {timeout_s:.0f} s") from e
@@ -72,7 +92,7 @@ def try_lock(path: Path):
     if held(path):
         yield True
         return
-    lock = FileLock(str(path))
+    lock = private_lock(path)
     try:
         lock.acquire(timeout=0)
     except (Timeout, OSError):

@@ -35,6 +35,7 @@ from typing import Literal
 
 from pipeline import registry
 from pipeline.artifacts.fingerprint import training_inputs
+from pipeline.artifacts.locks import private_lock
 from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest
 from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
@@ -226,7 +227,7 @@ def run(
         CheckFailed / UsageError / TrainError: bad inputs or training failure (nothing registered).
         Interrupted (exit 128 + signal): SIGTERM/SIGINT; `.outcome` is the `killed` RunOutcome.
     """
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     t0 = time.time()
     seconds: dict[str, float] = {}
@@ -245,7 +246,7 @@ def run(
     # The lock comes first, so a second concurrent run exits at once, before any slow check.
     lock_dir = cfg.state_dir / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_dir / f"{name}.lock"))
+    lock = private_lock(lock_dir / f"{name}.lock")
     try:
         lock.acquire(timeout=0)
     except Timeout:

@@ -28,6 +28,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from pipeline.artifacts.locks import private_lock
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
 from pipeline.redact import quiet_third_party, redact, redact_uri
@@ -270,7 +271,6 @@ def mlflow_for(cfg: ProjectConfig):
     check_store(cfg)  # before the ~2 s import, and before MLflow creates or retries anything
     _last_uri[:] = [uri]
     import mlflow
-    from filelock import FileLock
 
     quiet_third_party()  # MLflow just configured its loggers: at the CLI's default level, quiet again
 
@@ -291,7 +291,7 @@ def mlflow_for(cfg: ProjectConfig):
         raise StoreError(f"cannot create the state directory {cfg.state_dir}: {e.strerror or e}") from e
     marker = _marker(cfg, uri)
     if not marker.exists():
-        with FileLock(str(cfg.state_dir / "mlflow-init.lock"), timeout=300):
+        with private_lock(cfg.state_dir / "mlflow-init.lock").acquire(timeout=300):
             if not marker.exists():
                 ensure_experiment(cfg, mlflow)  # creates the schema and the experiment
                 marker.write_text(uri + "\n")
