@@ -137,16 +137,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def server_command(cfg: ProjectConfig, host: str, port: int) -> list[str]:
-    """The `mlflow server` command line for this project's store."""
+def server_command(cfg: ProjectConfig, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The `mlflow server` command line for this project's store, and the environment it needs.
 
+    The store's locations go through the environment (`mlflow server`'s own variables for
+    `--backend-store-uri`, `--registry-store-uri`, `--artifacts-destination`), never the command
+    line: a process's arguments are readable by every local user (`ps`, /proc/PID/cmdline), and a
+    PostgreSQL or S3 URI carries its password. MLflow hands them on to its uvicorn workers through
+    the environment too (mlflow/server/__init__.py `_run_server`).
+    """
     cmd = [
         sys.executable,
         "-m",
         "mlflow",
         "server",
-        "--backend-store-uri",
-        cfg.tracking_uri,
         "--host",
         host,
         "--port",
@@ -157,12 +161,13 @@ def server_command(cfg: ProjectConfig, host: str, port: int) -> list[str]:
         "--app-name",
         "basic-auth",
     ]
+    env = {"MLFLOW_BACKEND_STORE_URI": cfg.tracking_uri}
     if cfg.registry.registry_uri:
-        cmd += ["--registry-store-uri", cfg.registry.registry_uri]
+        env["MLFLOW_REGISTRY_STORE_URI"] = cfg.registry.registry_uri
     dest = registry.artifact_location(cfg)
     if dest:
-        cmd += ["--artifacts-destination", dest]
-    return cmd
+        env["MLFLOW_ARTIFACTS_DESTINATION"] = dest
+    return cmd, env
 
 
 @dataclass
@@ -224,10 +229,15 @@ def start(cfg: ProjectConfig, host: str = "127.0.0.1", port: int = 5000, timeout
     creds = ui_credentials(cfg)
     add_secret(creds.password)
     auth_dir = Path(tempfile.mkdtemp(prefix="pipeline-ui-auth."))  # 0700, removed by Server.stop
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", **auth_environment(creds, auth_dir))
-    with open(log, "wb") as fh:
+    cmd, store_env = server_command(cfg, host, port)
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", **store_env)
+    env.update(auth_environment(creds, auth_dir))
+    # the server's log is the operator's (it names the store, requests and errors): 0600, as the store
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         proc = subprocess.Popen(  # under the guard: the server dies with `pipeline`, even on SIGKILL
-            guarded(server_command(cfg, host, port)),
+            guarded(cmd),
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=env,

@@ -174,3 +174,52 @@ def test_nobody_reads_the_volume_and_changes_nothing_on_it(world):
         r = as_nobody(home, sys.executable, "-m", "pipeline", *argv, env=env)
         assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (argv, r.stderr)
     assert sorted((str(p), p.lstat().st_mode, p.lstat().st_size) for p in vol.rglob("*")) == before
+
+
+def test_nobody_cannot_hold_a_lock_of_the_pipeline(world):
+    """Sibling: `flock` needs only a read-only descriptor, and the lock files were 0644: `nobody` held
+    `<volume>/.locks/agent.lock` and every publish of agent waited for it (then exit 3)."""
+    cfg, server, home = world
+    locks = [
+        cfg.volume.path / ".locks" / "agent.lock",
+        cfg.volume.path / ".fleet-state.lock",
+        cfg.state_dir / "mlflow-init.lock",
+    ]
+    assert all(p.exists() for p in locks), locks
+    probe = (
+        "import fcntl, sys\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n"
+        "        fcntl.flock(open(p), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "        print('HELD', p)\n"
+        "    except OSError:\n"
+        "        print('REFUSED', p)\n"
+    )
+    r = as_nobody(home, sys.executable, "-c", probe, *map(str, locks))
+    assert r.stdout.split() == [x for p in locks for x in ("REFUSED", str(p))], r.stdout + r.stderr
+
+
+def test_the_store_is_not_on_the_server_s_command_line(world):
+    """Sibling of kind 4: `mlflow server --backend-store-uri postgresql://user:PASSWORD@...` showed the
+    password to every local user (`ps`, /proc/PID/cmdline). The URIs go through the environment; the
+    server's log is 0600."""
+    cfg, server, _ = world
+    pgid = os.getpgid(server.proc.pid)
+    cmdlines = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                cmdlines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ProcessLookupError):
+            pass
+    assert any("mlflow" in c for c in cmdlines), cmdlines  # the server and its uvicorn worker
+    store = str(cfg.embedded_store)
+    assert not [c for c in cmdlines if store in c or "store-uri" in c or "artifacts-destination" in c]
+    assert server.log.stat().st_mode & 0o777 == 0o600
+    # a PostgreSQL store with its password: the command line holds neither, the environment does
+    pg = cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"tracking_uri": PG_URI})})
+    cmd, env = ui.server_command(pg, "127.0.0.1", 5000)
+    assert "S3cret-Passw0rd" not in " ".join(cmd) and env["MLFLOW_BACKEND_STORE_URI"] == PG_URI
+
+
+PG_URI = "postgresql://lora:S3cret-Passw0rd@127.0.0.1:5432/mlflow"
