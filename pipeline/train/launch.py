@@ -67,7 +67,7 @@ from pipeline.train.gate import (
 from pipeline.train.metrics import read_metrics, summarise
 from pipeline.train.passthrough import split_passthrough
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
-from pipeline.train.progress import follow_progress, progress_mode
+from pipeline.train.progress import follow_progress, progress_interval, progress_mode
 from pipeline.train.schema import PLUGIN, check_axolotl_schema
 from pipeline.train.strategy import Choice, apply_choice, choose
 from pipeline.train.wrapped_keys import WRAPPER_SEGMENTS, normalise_adapter_keys
@@ -276,7 +276,11 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
     d = axolotl_view(tc)
     d["output_dir"] = str(run_dir / "output")
     d["use_mlflow"] = True
-    d["mlflow_tracking_uri"] = cfg.tracking_uri
+    # The tracking URI reaches the trainer through its environment ($MLFLOW_TRACKING_URI, which
+    # axolotl and transformers' MLflowCallback read), never through resolved.yml: the file is
+    # readable by other users and kept with the run, and a server's URI may carry a password.
+    # One in the user's config would override the environment in axolotl, so it goes too.
+    d.pop("mlflow_tracking_uri", None)
     d["mlflow_experiment_name"] = cfg.registry.experiment
     return d
 
@@ -390,6 +394,7 @@ def train(
         echo(
             f"{plan.world} processes: {plan.choice.strategy.upper()} ({plan.choice.reason}; --strategy overrides)"
         )
+    progress_interval()  # a bad $PIPELINE_PROGRESS_INTERVAL fails now, not once the trainer runs
     ds_report = check_inputs(cfg, tc, set(allow), world=plan.world)
     worker = plan.node_rank > 0
     registry.check_store(cfg)  # an unusable store fails before the run directory exists

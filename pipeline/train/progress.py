@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import UsageError
 from pipeline.train.metrics import read_metrics
 
 log = logging.getLogger("pipeline.train")
@@ -86,17 +87,38 @@ def progress_of(records: list[dict], started: float, now: float | None = None) -
 
 # Seconds between progress lines when stderr is not a terminal (`pipeline train > log 2>&1`, cron, CI).
 PROGRESS_INTERVAL_ENV = "PIPELINE_PROGRESS_INTERVAL"
+DEFAULT_INTERVAL_S = 30.0
+
+
+def progress_interval() -> float:
+    """$PIPELINE_PROGRESS_INTERVAL in seconds (default 30). Read before the trainer starts (`train`):
+    a value that is no positive number raised ValueError once training ran, which killed it.
+
+    Raises UsageError naming the variable."""
+    raw = os.environ.get(PROGRESS_INTERVAL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise UsageError(
+            f"${PROGRESS_INTERVAL_ENV}={raw[:40]!r}: seconds between progress lines, a positive number "
+            f"(e.g. 30); fix or unset it"
+        )
+    return value
 
 
 def follow_progress(
     proc: subprocess.Popen, metrics: Path, mode: str, interval_s: float | None = None
 ) -> None:
     """Wait for the trainer, showing progress: `bar` (rich, a terminal), `lines` (a log line every
-    `interval_s` seconds, default $PIPELINE_PROGRESS_INTERVAL or 30, plus one per evaluation and
+    `interval_s` seconds, default `progress_interval()`, plus one per evaluation and
     at the end), or `off`."""
     started = time.time()
     if mode == "lines":
-        interval_s = interval_s or float(os.environ.get(PROGRESS_INTERVAL_ENV) or 30)
+        interval_s = interval_s or progress_interval()
         last_line = 0.0
         last_eval = None
         while proc.poll() is None:

@@ -4,7 +4,15 @@ import logging
 import subprocess
 import sys
 
-from pipeline.train.progress import follow_progress, progress_mode, progress_of
+import pytest
+
+from pipeline.train.progress import (
+    PROGRESS_INTERVAL_ENV,
+    follow_progress,
+    progress_interval,
+    progress_mode,
+    progress_of,
+)
 
 
 def _records():
@@ -71,3 +79,24 @@ def test_mode_follows_the_terminal(monkeypatch):
     assert progress_mode(True) == "lines" and progress_mode(False) == "off"
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert progress_mode(True) == "bar"
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf"])
+def test_a_bad_progress_interval_is_refused_before_training(value, monkeypatch, tmp_path):
+    """Sibling of issue 30 kind 3 (a setting from the environment): `PIPELINE_PROGRESS_INTERVAL=abc` was
+    read only once the trainer ran (ValueError: a traceback, and the training killed); -1 and 0 failed
+    in time.sleep or printed without pause. Now `train` refuses it first, naming the variable."""
+    from pipeline.config import load_config
+    from pipeline.errors import UsageError
+    from pipeline.train.launch import train
+    from tests.support.helpers import REPO, write_project_config
+
+    monkeypatch.setenv(PROGRESS_INTERVAL_ENV, value)
+    with pytest.raises(UsageError, match=rf"\$PIPELINE_PROGRESS_INTERVAL='{value}': seconds between"):
+        progress_interval()
+    cfg = load_config(write_project_config(tmp_path))
+    with pytest.raises(UsageError, match=r"\$PIPELINE_PROGRESS_INTERVAL"):  # before datasets, base, store
+        train(cfg, REPO / "axolotl_configs" / "tiny-cpu.yml", overrides=[f"base_model={tmp_path}/none"])
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setenv(PROGRESS_INTERVAL_ENV, " 2.5 ")
+    assert progress_interval() == 2.5

@@ -81,6 +81,21 @@ def test_base_model_revision_reaches_axolotl(tmp_path):
     assert d["revision_of_model"] == "0123abc"
 
 
+def test_the_tracking_uri_stays_out_of_resolved_yml(tmp_path, monkeypatch):
+    """Sibling of issue 30 kind 4 (a secret in a file): `resolved.yml` (kept with the run, 0644) held
+    `mlflow_tracking_uri: postgresql://user:PASSWORD@...`. The trainer gets the URI from its
+    environment; one in the user's own config goes too (axolotl would let it override the environment)."""
+    from pipeline.config import load_config
+    from pipeline.train.launch import resolve
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://lora:S3cret-Passw0rd@db:5432/mlflow")
+    tc = load_training_config(TINY, ["mlflow_tracking_uri=http://u:Other-Secret-1@h:5000"])
+    d = resolve(tc, tmp_path, load_config(None))
+    assert "mlflow_tracking_uri" not in d and d["use_mlflow"] is True
+    text = type(tc)(tmp_path / "resolved.yml", d).dump()
+    assert "S3cret-Passw0rd" not in text and "Other-Secret-1" not in text
+
+
 def test_cli_train_refuses_before_writing(tmp_path):
     """`pipeline train ... --set learning_rat=0.001`: exit 1, nothing written, one clear message."""
     (tmp_path / "pipeline.yaml").write_text(
