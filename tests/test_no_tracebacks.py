@@ -89,6 +89,8 @@ def _hostile_files(root: Path) -> dict[str, Path]:
     p["deep-yaml"].write_text("base_model: x\nlora_r: " + "[" * 100_000 + "\n")
     p["deep-jsonl"] = root / "deep.jsonl"
     p["deep-jsonl"].write_text(DEEP + "\n")
+    p["fifo"] = root / "fifo"  # a named pipe: opening it for reading blocked until a writer came
+    os.mkfifo(p["fifo"])
     return p
 
 
@@ -148,6 +150,8 @@ def world(tmp_path_factory) -> World:
         "env-json": {**base, "PIPELINE_FLEET": "{"},
         "env-uri": {**base, "MLFLOW_TRACKING_URI": "http://[::1"},
         "env-typo": {**base, "PIPELINE_VOLUME_PATH": "/elsewhere"},
+        "fifo-config": {**base, "PIPELINE_CONFIG": str(w.paths["fifo"])},
+        "env-interval": {**base, "PIPELINE_PROGRESS_INTERVAL": "abc"},
     }
     return w
 
@@ -162,6 +166,7 @@ CONFIGS = [
     "deep-config",
     "env-json",
     "env-typo",
+    "fifo-config",
 ]
 VOLUMES = ["broken-state", "binary-state", "deep-state", "link-state"]
 
@@ -174,8 +179,10 @@ def cases(w: World) -> list[Case]:
     # train
     for n in NAMES:
         add(Case(["train", tiny, "--name", n]))
-    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "yaml-list", "empty"):
+    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "yaml-list", "empty", "fifo"):
         add(Case(["train", P[f]]))
+    add(Case(["train", tiny], env="env-interval"))
+    add(Case(["run", tiny], env="env-interval"))
     add(Case(["train", tiny, "--set", "=", "--name", "x"]))
     add(Case(["train", tiny, "--set", "nokey"]))
     add(Case(["train", tiny, "--overlay", P["missing"]]))
@@ -195,6 +202,7 @@ def cases(w: World) -> list[Case]:
     for f in ("missing", "devnull", "binary", "bad-adapter", "loop", "deep-adapter"):
         add(Case(["register", P[f], "--name", "agent"]))
     add(Case(["validate", P["dir"], "--training-config", P["deep-yaml"]]))
+    add(Case(["validate", P["dir"], "--training-config", P["fifo"]]))
     # publish / promote / rollback
     for n in NAMES:
         add(Case(["publish", n, "--version", "1"]))
@@ -314,7 +322,7 @@ def cases(w: World) -> list[Case]:
         )
     )
     # dataset
-    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "deep-jsonl"):
+    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "deep-jsonl", "fifo"):
         add(Case(["dataset", "check", P[f]]))
     add(Case(["dataset", "check", P["empty"], "--validation", P["binary"], "--tokenizer", P["dir"]]))
     add(Case(["dataset", "check", P["empty"], "--sequence-len", "-5"]))

@@ -18,9 +18,11 @@ Real files stay far inside the bounds: a manifest nests 5 levels, a chat templat
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from itertools import accumulate
 from pathlib import Path
 
@@ -56,11 +58,29 @@ def nesting_depth(raw: bytes | str) -> int:
 def read_bounded(path: Path, max_bytes: int, what: str = "") -> bytes:
     """The bytes of `path`, refusing a file larger than `max_bytes` before reading it.
 
+    Only a regular file or a character device (`/dev/null`) is read: a FIFO or a socket blocks
+    `open` until another process writes (`--config` pointed at a named pipe hung every command),
+    so the file is opened without blocking and refused on its `fstat`.
+
     Raises BoundsError, or OSError (FileNotFoundError, IsADirectoryError, ...) as `open` does.
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+            kind = {
+                stat.S_IFIFO: "a named pipe (FIFO)",
+                stat.S_IFSOCK: "a socket",
+                stat.S_IFBLK: "a block device",
+            }
+            raise BoundsError(
+                f"{path}: {kind.get(stat.S_IFMT(st.st_mode), 'a special file')}, not a regular file: nothing read"
+            )
+        os.set_blocking(f.fileno(), True)
+        size = st.st_size
         if size > max_bytes:
             raise BoundsError(
                 f"{path}: {size} bytes, more than {_fmt(max_bytes)} allowed for {what or 'this file'}"

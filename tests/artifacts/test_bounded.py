@@ -81,6 +81,25 @@ def test_size_is_checked_before_reading(tmp_path):
         read_bounded(p, 1024, "the record")
 
 
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    """Sibling (FIFO files): `--config` or a record that is a named pipe blocked `open` until another
+    process wrote to it: every command hung. It is refused on its fstat; /dev/null still reads."""
+    import os
+    import socket
+
+    fifo = tmp_path / "pipeline.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(BoundsError, match=r"pipeline.yaml: a named pipe \(FIFO\), not a regular file"):
+        read_bounded(fifo, 1024)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s"))
+    with pytest.raises(OSError):  # a socket cannot even be opened (ENXIO)
+        read_bounded(tmp_path / "s", 1024)
+    assert read_bounded("/dev/null", 1024) == b""
+    with pytest.raises(IsADirectoryError):
+        read_bounded(tmp_path, 1024)
+
+
 @pytest.mark.parametrize(
     "text,says",
     [
