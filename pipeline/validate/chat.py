@@ -1,22 +1,20 @@
 """Tokenizers and chat templates without transformers: `tokenizers` for ids, jinja2 for templates.
 
 Renders exactly as transformers' `apply_chat_template` does (transformers/utils/chat_template_utils.py
-`_compile_jinja_template` / `render_jinja_template`): an `ImmutableSandboxedEnvironment` with
-`trim_blocks`, `lstrip_blocks` and the `loopcontrols` extension, a `tojson` filter that does not
-escape HTML, globals `raise_exception` and `strftime_now`, a no-op `{% generation %}` block, and the
-tokenizer's special tokens (`bos_token`, `eos_token`, ...) plus caller kwargs as template variables.
+`_compile_jinja_template` / `render_jinja_template`; the environment is in `pipeline.artifacts.templates`,
+which renders out of process within memory, time and output bounds), with the tokenizer's special
+tokens (`bos_token`, `eos_token`, ...) plus caller kwargs as template variables.
 `tests/validate/test_chat.py` checks the rendering against transformers on the tiny base.
 Importing transformers costs seconds; this keeps `pipeline validate` without `--behaviour` fast.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
+from pipeline.artifacts import templates
 from pipeline.artifacts.adapter_files import ADAPTER_FILES
 from pipeline.artifacts.bounded import MIB, BoundsError, check_template, load_json_file, read_bounded
 from pipeline.errors import UsageError
@@ -31,45 +29,14 @@ class TokenizerError(UsageError, ValueError):
     """Tokenizer or template files that cannot be read (corrupt JSON, bad template syntax...)."""
 
 
-@lru_cache(maxsize=32)
-def _compile(template: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):  # transformers' AssistantTracker, without index tracking
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_support"), [], [], body).set_lineno(lineno)
-
-        def _support(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: dt.datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
 def render(template: str, messages, tools=None, special: dict | None = None, **kwargs) -> str:
-    """Render `messages` with a chat template as transformers does. Raises jinja2 errors."""
-    return _compile(template).render(
-        messages=messages, tools=tools, documents=None, **{**(special or {}), **kwargs}
-    )
+    """Render `messages` with a chat template as transformers does, in the bounded worker of
+    `pipeline.artifacts.templates` (the template may come from an untrusted adapter directory).
+
+    Raises TemplateRenderError (a ValueError): jinja's error, or the template went past a bound.
+    """
+    variables = {"messages": messages, "tools": tools, "documents": None, **(special or {}), **kwargs}
+    return templates.render(template, variables)
 
 
 def _token_text(v) -> str | None:
