@@ -21,7 +21,9 @@ what an adapter is, and never carries content its owner could not already give a
 `adapter_file_problems` lists every rule a directory breaks (validation reports them);
 `copy_adapter` refuses a directory that breaks any, and re-checks each file on the descriptor
 it copies from (opened without following links), so a file swapped after the check is not copied
-either. The weights' size bound from the adapter's rank and modules is validation's
+either. The directory itself is opened once and every entry is listed and opened relative to that
+descriptor (`dir_fd`): a directory renamed away and replaced (by a link to another directory) between
+the check and the copy cannot make the copy read another directory's files. The weights' size bound from the adapter's rank and modules is validation's
 (`pipeline.validate`); `ADAPTER_FILES` only caps what no adapter reaches.
 """
 
@@ -120,6 +122,22 @@ def stat_problem(path: Path, st: os.stat_result) -> FileProblem | None:
     return None
 
 
+def _open_dir(directory: Path) -> int:
+    """A descriptor of `directory` (links followed once, here); NotADirectoryError / FileNotFoundError."""
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+
+
+def _problems(dfd: int, directory: Path) -> list[FileProblem]:
+    out = []
+    with os.scandir(dfd) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        problem = stat_problem(directory / entry.name, entry.stat(follow_symlinks=False))
+        if problem:
+            out.append(problem)
+    return out
+
+
 def adapter_file_problems(directory: Path) -> list[FileProblem]:
     """Every entry of `directory` that breaks a rule of the module doc (sorted by name; empty: fine).
 
@@ -128,12 +146,11 @@ def adapter_file_problems(directory: Path) -> list[FileProblem]:
     directory = Path(directory)
     if not directory.is_dir():
         raise NotADirectoryError(f"{directory}: not a directory")
-    out = []
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        problem = stat_problem(Path(entry.path), entry.stat(follow_symlinks=False))
-        if problem:
-            out.append(problem)
-    return out
+    dfd = _open_dir(directory)
+    try:
+        return _problems(dfd, directory)
+    finally:
+        os.close(dfd)
 
 
 def _refuse(directory: Path, problems: list[FileProblem]) -> UnsafeAdapterError:
@@ -149,9 +166,9 @@ def check_adapter_dir(directory: Path) -> None:
         raise _refuse(Path(directory), problems)
 
 
-def _copy_one(src: Path, dst: Path) -> None:
+def _copy_one(dfd: int, src: Path, dst: Path) -> None:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
-    fd = os.open(src, flags)
+    fd = os.open(src.name, flags, dir_fd=dfd)
     try:
         st = os.fstat(fd)
         problem = stat_problem(src, st)  # the file actually opened, not the name checked before
@@ -178,17 +195,28 @@ def _copy_one(src: Path, dst: Path) -> None:
 def copy_adapter(src: Path, dst: Path) -> list[str]:
     """Copy the adapter directory `src` into the new directory `dst`; returns the names copied.
 
+    The rules are checked and the files copied through one descriptor of `src` (module doc).
+
     Raises UnsafeAdapterError (a rule of the module doc broken; `dst` is removed again), OSError
-    for a filesystem error (`dst` removed again).
+    for a filesystem error (`dst` removed again), NotADirectoryError / FileNotFoundError.
     """
     src, dst = Path(src), Path(dst)
-    check_adapter_dir(src)
-    dst.mkdir(parents=False, exist_ok=False)
-    names = sorted(e.name for e in os.scandir(src))
+    if not src.is_dir():
+        raise NotADirectoryError(f"{src}: not a directory")
+    dfd = _open_dir(src)
     try:
-        for name in names:
-            _copy_one(src / name, dst / name)
-    except BaseException:
-        rmtree(dst)
-        raise
-    return names
+        problems = _problems(dfd, src)
+        if problems:
+            raise _refuse(src, problems)
+        dst.mkdir(parents=False, exist_ok=False)
+        with os.scandir(dfd) as it:
+            names = sorted(e.name for e in it)
+        try:
+            for name in names:
+                _copy_one(dfd, src / name, dst / name)
+        except BaseException:
+            rmtree(dst)
+            raise
+        return names
+    finally:
+        os.close(dfd)

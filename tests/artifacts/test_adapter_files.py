@@ -107,14 +107,43 @@ def test_a_file_swapped_for_a_link_after_the_check_is_not_copied(tmp_path, monke
     import pipeline.artifacts.adapter_files as af
 
     src = _adapter(tmp_path / "a")
-    real = af.check_adapter_dir
+    real = af._problems
 
-    def check_then_swap(d):
-        real(d)
+    def check_then_swap(dfd, d):
+        found = real(dfd, d)
         (src / "adapter_config.json").unlink()
         os.symlink("/etc/hostname", src / "adapter_config.json")
+        return found
 
-    monkeypatch.setattr(af, "check_adapter_dir", check_then_swap)
+    monkeypatch.setattr(af, "_problems", check_then_swap)
     with pytest.raises(OSError):  # ELOOP from O_NOFOLLOW
         copy_adapter(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_directory_swapped_for_a_link_after_the_check_is_not_read(tmp_path, monkeypatch):
+    """Sibling (a directory replaced between check and use): whoever may rename entries of the adapter's
+    parent swapped the checked directory for a link to one of the operator's private directories, whose
+    files pass every per-file rule (own, one name, readable by the owner): the copy published them 0444.
+    The copy now reads through the one descriptor it checked."""
+    import pipeline.artifacts.adapter_files as af
+
+    parent = tmp_path / "drop"  # e.g. a drop directory another user may write
+    parent.mkdir()
+    src = _adapter(parent / "a")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "README.md").write_text("TOP SECRET")
+    (private / "README.md").chmod(0o600)
+    real = af._problems
+
+    def check_then_swap(dfd, d):
+        found = real(dfd, d)
+        src.rename(parent / "a.checked")
+        os.symlink(private, src)
+        return found
+
+    monkeypatch.setattr(af, "_problems", check_then_swap)
+    names = copy_adapter(src, tmp_path / "out")
+    assert names == ["adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+    assert not (tmp_path / "out" / "README.md").exists()
