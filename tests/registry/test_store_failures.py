@@ -251,7 +251,7 @@ def shared_store(release_adapters):
     base.chmod(0o755)
     cfg = new_project(base / "shared")
     register_versions(cfg, "agent", release_adapters, 1)
-    other = new_project(base / "copy")
+    other = new_project(base / "copy", store=False)  # its store is the copy below
     other.state_dir.mkdir(parents=True)
     shutil.copy2(cfg.state_dir / "mlflow.db", other.state_dir / "mlflow.db")
     for p in (base / "shared", cfg.state_dir):
