@@ -13,7 +13,9 @@ What counts as a secret:
 `redact(text)` applies all of it; `redact_uri(uri)` the URI part. The CLI writes stdout and stderr
 through `RedactingStream` (installed by `pipeline.cli._common.PipelineGroup` for every command), so
 results, `--json` documents, error messages, log records and rich tables are all redacted in that
-one place, whatever printed them. Values the pipeline stores (a manifest's registry URI, an event)
+one place, whatever printed them. A child's output that the pipeline keeps in a file (the trainer's
+`train.log`, where MLflow prints `View run ... at: <tracking URI>`, credentials included, and axolotl
+its whole config) goes through `copy_redacted`. Values the pipeline stores (a manifest's registry URI, an event)
 are redacted where they are written, with `redact_uri`.
 
 Other programs' tracebacks: a library that logs an exception (MLflow's SQL store logs every
@@ -31,6 +33,7 @@ import logging
 import os
 import re
 import sys
+import threading
 
 MASK = "***"
 MIN_SECRET_LEN = 8  # shorter values (`1`, `true`, `root`) would mangle output: no secret is that short
@@ -107,6 +110,31 @@ class RedactingStream(io.TextIOBase):
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+MAX_LINE_CHARS = 1 << 20  # a line longer than this is redacted in parts
+
+
+def copy_redacted(pipe, out) -> threading.Thread:
+    """Copy a child's output (`pipe`, a binary stream) to the text file `out`, each line redacted.
+
+    Lines end at `\n` or `\r` (progress bars), so a secret is masked whole unless it straddles
+    `MAX_LINE_CHARS`. Runs in a daemon thread, returned started: join it once the child has ended
+    (with a timeout: a grandchild may still hold the pipe).
+    """
+
+    def pump() -> None:
+        text = io.TextIOWrapper(pipe, encoding="utf-8", errors="replace", newline="")
+        try:
+            while line := text.readline(MAX_LINE_CHARS):
+                out.write(redact(line))
+                out.flush()
+        except (OSError, ValueError):  # the file or the pipe was closed under us
+            pass
+
+    t = threading.Thread(target=pump, name="copy-redacted", daemon=True)
+    t.start()
+    return t
 
 
 # -- other programs' tracebacks ---------------------------------------------------------------------

@@ -389,6 +389,9 @@ def initialised(cfg: ProjectConfig) -> bool:
 
 
 def flatten_params(d: dict, prefix: str = "") -> dict[str, str]:
+    """`{"a": {"b": 1}}` -> `{"a.b": "1"}`: MLflow params (strings, at most 6000 characters), redacted
+    (pipeline.redact: a dataset URL's token or a URI's password never becomes a param that every
+    reader of the run sees)."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -396,7 +399,7 @@ def flatten_params(d: dict, prefix: str = "") -> dict[str, str]:
             out.update(flatten_params(v, key + "."))
         else:
             s = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
-            out[key] = s[:6000]
+            out[key] = redact(s)[:6000]
     return out
 
 

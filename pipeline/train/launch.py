@@ -54,6 +54,7 @@ from pipeline.children import guarded
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError, UsageError
 from pipeline.interrupt import Interrupted, shielded
+from pipeline.redact import copy_redacted
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
 from pipeline.train.gate import (
@@ -177,6 +178,9 @@ def training_setup(
         launcher, passed.launcher_args, gpus, world, _int_arg(passed.launcher_args, _NODE_RANK, 0), choice
     )
     return tc, plan
+
+
+LOG_DRAIN_S = 10  # after the trainer exits, its output still in the pipe reaches train.log
 
 
 def train_env(extra: dict | None = None) -> dict:
@@ -453,21 +457,25 @@ def train(
     )
     with open(run_dir / "train.log", "w") as train_log:
         # Under the guard with no grace: the trainer and any launcher workers (accelerate, torchrun)
-        # are SIGKILLed when `pipeline` dies, so none keeps writing into the run directory.
+        # are SIGKILLed when `pipeline` dies, so none keeps writing into the run directory. Its output
+        # reaches train.log redacted (pipeline.redact: MLflow prints the tracking URI, credentials too).
         proc = subprocess.Popen(
             guarded(cmd, grace_s=0),
-            stdout=train_log,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
+        copier = copy_redacted(proc.stdout, train_log)
         try:
             follow_progress(proc, metrics_file, progress_mode(show_progress))
+            copier.join(LOG_DRAIN_S)
         except BaseException as e:
             stopped = isinstance(e, Interrupted | KeyboardInterrupt)  # SIGTERM/SIGINT: KILLED, not FAILED
             with shielded():  # the clean-up itself is not cut by a second signal
                 proc.terminate()  # the guard ends the trainer's process group (no grace: pipeline/children.py)
                 proc.wait(30)
+                copier.join(LOG_DRAIN_S)
                 if run_id:
                     registry.finish_training_run(
                         cfg,

@@ -115,3 +115,62 @@ def test_no_command_prints_a_secret(world, env, monkeypatch):
         if SECRET in out or TOKEN in out or "Traceback" in out:
             leaks.append(f"{' '.join(args)} (exit {r.exit_code}): {out[-400:]}")
     assert leaks == []
+
+
+def test_a_child_s_log_is_redacted_line_by_line(tmp_path, monkeypatch):
+    """Sibling (a secret in a log): the trainer's output went straight to train.log (0644, uploaded to
+    MLflow when training fails), where MLflow prints `View run ... at: <tracking URI>` with its
+    credentials and axolotl its whole config. `pipeline train` now copies it through the redaction."""
+    import subprocess
+    import sys
+
+    from pipeline.redact import copy_redacted
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "env-password-123")
+    child = (
+        "import sys\n"
+        "print('🏃 View run r at: http://bob:Pa55-w0rd-xyz@127.0.0.1:5000/#/experiments/1/runs/x')\n"
+        "sys.stdout.write('step 1/2\\rstep 2/2 env-password-123\\r')\n"
+        "print()\n"
+        "sys.stdout.buffer.write(b'\\xff not utf-8\\n')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        t = copy_redacted(proc.stdout, out)
+        proc.wait(30)
+        t.join(10)
+    text = log.read_text()
+    assert SECRET not in text and "env-password-123" not in text, text
+    assert "http://***@127.0.0.1:5000/#/experiments/1/runs/x" in text and "step 2/2 ***" in text
+    assert "not utf-8" in text
+
+
+def test_a_real_training_keeps_its_whole_log_and_no_tracking_uri(trained):
+    """End to end with the session's one axolotl training: the log arrives through the copy whole
+    (axolotl's config dump and the trainer's last lines), and resolved.yml names no store."""
+    cfg, res = trained
+    log = (res.run_dir / "train.log").read_text()
+    assert '"base_model"' in log and "mlflow_tracking_uri" not in log, log[-2000:]
+    assert "mlflow_tracking_uri" not in (res.run_dir / "resolved.yml").read_text()
+    assert res.run_id and res.adapter_dir.is_dir()
+
+
+def test_run_params_are_redacted(monkeypatch):
+    """Sibling (a secret in MLflow run params): the axolotl config becomes the training run's params;
+    a dataset URL with its token or a URI with its password was stored as given."""
+    from pipeline.registry.store import flatten_params
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
+    flat = flatten_params(
+        {
+            "axolotl": {
+                "datasets": [{"path": "https://h/d.jsonl?token=tok-abcdef-123456"}],
+                "base_model": "hf_abcdefghijklmnop",
+                "hub": "postgresql://bob:Pa55-w0rd-xyz@db/x",
+            }
+        }
+    )
+    text = str(flat)
+    assert TOKEN not in text and SECRET not in text and "hf_abcdefghijklmnop" not in text, flat
+    assert flat["axolotl.hub"] == "postgresql://***@db/x"
