@@ -11,6 +11,9 @@ must leave no version directory without its weights that `fleet status` would ca
 3. each directory is renamed into `.staging/<NAME>/` (one atomic step: the version directory is
    whole or gone), then deleted there; the record is removed.
 
+On a volume too full for the record, the oldest version to delete goes first, without one
+(`_record_or_make_room`): prune is what every "the filesystem is full" message tells the operator to run.
+
 A prune killed at any point is finished by the next transaction on NAME
 (`pipeline.release.transaction.recover`): what it had not yet moved is moved and deleted, except
 a version that became desired or `production` meanwhile (the operator's latest intent).
@@ -18,12 +21,13 @@ a version that became desired or `production` meanwhile (the operator's latest i
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from pipeline.artifacts.names import check_name
 from pipeline.artifacts.volume import remove_version, version_dirs, version_name
 from pipeline.config import ProjectConfig
-from pipeline.errors import FleetError, UsageError
+from pipeline.errors import FleetError, UsageError, VolumeError
 from pipeline.fleet.client import InstanceClient
 from pipeline.fleet.instances import InstanceReport, each_instance, failure, instance_path
 from pipeline.fleet.state import fleet_lock, load_state
@@ -93,13 +97,36 @@ def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list
             source="",
             doomed=doomed,
         )
-        save_intent(vol, intent)
+        removed = _record_or_make_room(cfg, name, intent, force)
         checkpoint("after-intent")
         try:
             _unload(cfg, name, doomed, force)
         except FleetError:
-            clear_intent(vol, name)  # nothing deleted
+            clear_intent(vol, name)  # nothing (more) deleted
             raise
-        removed = [d for v in doomed if (d := remove_version(vol, name, v, intent.id, checkpoint))]
+        removed += [d for v in doomed if (d := remove_version(vol, name, v, intent.id, checkpoint))]
         clear_intent(vol, name)
         return removed
+
+
+def _record_or_make_room(cfg: ProjectConfig, name: str, intent: Intent, force: bool) -> list[Path]:
+    """Write the prune's record; on a full volume, delete its oldest version first to make room.
+
+    Every error on a full volume says "prune old versions", and the record is the first thing a
+    prune writes: with no byte free it failed too, so the advice went round in a circle. The oldest
+    version is deleted the safe way without a record (unloaded, then renamed out and removed: whole
+    or gone however the process ends; what a kill leaves in `.staging/` is debris for the next
+    publish), then the record of the rest is written. Returns the directory deleted first, if any.
+    """
+    vol = Path(cfg.volume.path)
+    try:
+        save_intent(vol, intent)
+        return []
+    except VolumeError as e:
+        if getattr(e.__cause__, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+    oldest = intent.doomed[-1]  # newest first, as version_dirs lists them
+    _unload(cfg, name, [oldest], force)
+    first = remove_version(vol, name, oldest, intent.id, checkpoint)
+    save_intent(vol, intent)
+    return [first] if first else []

@@ -196,3 +196,29 @@ def test_register_killed_after_the_version_exists_keeps_its_verdict_binding(
     monkeypatch.undo()
     tags = registry.client(cfg).get_model_version(name, "1").tags
     assert tags["validation.verdict"] == "pass" and '"bound"' in tags["validation.report"]
+
+
+def test_prune_makes_room_on_a_full_volume(cfg, release_adapters, name, monkeypatch):
+    """Sibling (a full disk): every "the filesystem is full" error says to prune, and prune's first
+    write was its record: with no byte free it failed the same way (measured on a full tmpfs). The
+    oldest version now goes first, without a record, and the record of the rest follows."""
+    import errno
+
+    from pipeline.release import transaction
+
+    register_versions(cfg, name, release_adapters, 3)
+    for v in (1, 2, 3):
+        publish(cfg, name, version=v)
+    real, calls = transaction.write_json_atomic, []
+
+    def full_once(path, data):  # the volume is full until something is deleted
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(transaction, "write_json_atomic", full_once)
+    removed = prune(cfg, name, keep=1)
+    assert sorted(p.name for p in removed) == [f"{name}-v1", f"{name}-v2"]
+    assert _versions_on_volume(cfg, name) == [3] and len(calls) == 2
+    assert load_intent(cfg.volume.path, name) is None
