@@ -12,7 +12,7 @@ import math
 
 from pipeline.artifacts.adapter import pattern_value
 from pipeline.artifacts.peft_match import matching_entries
-from pipeline.serving.vllm import EMBEDDING_MODULES, LORA_RANKS, REFUSED_CONFIG_KEYS
+from pipeline.serving.vllm import EMBEDDING_MODULES, REFUSED_CONFIG_KEYS
 from pipeline.validate.facts import AdapterFacts, Facts, TrainFacts
 from pipeline.validate.lora_view import AXOLOTL_NAMES
 from pipeline.validate.peft_features import (
@@ -184,26 +184,27 @@ def required(ctx: Facts):
 @check(
     "config.rank",
     "error",
-    "`r` or a `rank_pattern` value not in {1,8,16,32,64,128,256,320,512}, "
-    "or above the fleet's `max_lora_rank`",
+    "`r` or a `rank_pattern` value is not a positive integer, or above the fleet's `max_lora_rank` (any rank up "
+    "to it is served: only `--max-lora-rank` itself is one of {1,8,16,32,64,128,256,320,512})",
     scopes=BOTH,
 )
 def rank(ctx: Facts):
+    """vllm/lora/peft_helper.py `validate_legal` refuses `r` (0.32+: and every rank_pattern value) above
+    --max-lora-rank, nothing else: the LoRA buffers are --max-lora-rank wide and a smaller adapter is copied into
+    their first rows (lora/layers/base_linear.py set_lora), so r=4 serves as its zero-padded r=8 equivalent
+    (measured on vLLM CPU 0.32: the same greedy tokens and logprobs). `MaxLoRARanks` (config/lora.py) lists the
+    values the server flag takes (pipeline.yaml fleet.max_lora_rank is checked against it)."""
     lv, rules = ctx.lora, ctx.rules
     ranks = {lv.name("r"): lv.get("r")} | {
         f"{lv.name('rank_pattern')}[{k}]": v for k, v in (lv.get("rank_pattern") or {}).items()
     }
-    fix = "lora_r / lora_rank_pattern in the axolotl config"
     for what, r in ranks.items():
         if r is None:
             continue
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             yield Issue(
-                f"{what} = {r!r} is not a positive integer rank: retrain with one of {LORA_RANKS}", lv.source
-            )
-        elif r not in LORA_RANKS:
-            yield Issue(
-                f"{what} = {r} is not one of vLLM's ranks {LORA_RANKS}: retrain with one of them ({fix})",
+                f"{what} = {r!r} is not a positive integer rank: retrain with a rank of at most the fleet's "
+                f"--max-lora-rank {rules.max_lora_rank}",
                 lv.source,
             )
         elif r > rules.max_lora_rank:

@@ -29,7 +29,7 @@ def test_shipped_configs_are_servable(tmp_path):
         ("peft_use_dora=true", "config.dora", "dora"),
         ("lora_modules_to_save=[embed_tokens]", "config.modules_to_save", "modules_to_save"),
         ("lora_target_modules=[q_proj, lm_head]", "config.embedding_targets", "embedding_targets"),
-        ("lora_r=24", "config.rank", "rank"),
+        ("lora_r=24", "config.rank", "rank"),  # above 16 (not because 24 is no --max-lora-rank value)
         ("lora_r=32", "config.rank", "rank"),  # above the fleet's max_lora_rank 16
         ("adapter=qlora", "train.qlora", "qlora"),
         ("base_model=Org/Model", "train.unpinned_base", "unpinned_base"),
@@ -40,6 +40,13 @@ def test_unservable_settings_refused(tmp_path, override, cid, legacy):
     assert cid in ids(tc)
     assert cid not in ids(tc, allow={cid})
     assert cid not in ids(tc, allow={legacy})  # the short ids of earlier releases still work
+
+
+@pytest.mark.parametrize("override", ["lora_r=4", "lora_r=12", "lora_rank_pattern={q_proj: 4}"])
+def test_ranks_up_to_the_fleet_max_are_not_refused(tmp_path, override):
+    """vLLM serves any rank up to --max-lora-rank (peft_helper.py validate_legal); {1, 8, 16, ...} are the values of
+    that flag, not of an adapter's r."""
+    assert "config.rank" not in ids(load_training_config(TINY, [f"base_model={tmp_path}", override]))
 
 
 def test_check_names_missing_dataset(tmp_path):
@@ -53,7 +60,7 @@ def test_check_names_missing_dataset(tmp_path):
 # -- the rules `validate` runs, before axolotl starts (issue 15 kind 8): one failing config per instance ------------
 TRAIN_CASES = [
     ("config.rank", ["lora_rank_pattern={q_proj: 32}"], "lora_rank_pattern[q_proj] = 32 exceeds"),
-    ("config.rank", ["lora_rank_pattern={q_proj: 12}"], "not one of vLLM's ranks"),
+    ("config.rank", ["lora_rank_pattern={q_proj: 0}"], "not a positive integer rank"),
     ("config.init", ["peft_init_lora_weights=pissa"], "peft_init_lora_weights = 'pissa'"),
     ("config.init", ["peft_init_lora_weights=olora"], "olora"),
     ("config.init", ["peft_init_lora_weights=lora_ga"], "lora_ga_init"),

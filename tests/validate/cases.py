@@ -601,9 +601,9 @@ CASES = [
     (
         "config.rank",
         "error",
-        ("config", {"rank_pattern": {"q_proj": 12}}),
+        ("config", {"rank_pattern": {"q_proj": 24}}),
         {},
-        ["rank_pattern[q_proj] = 12"],
+        ["rank_pattern[q_proj] = 24 exceeds", "--max-lora-rank 16"],
         {},
     ),
     ("config.rank", "error", ("config", {"rank_pattern": {"q_proj": 32}}), {}, ["--max-lora-rank 16"], {}),

@@ -526,3 +526,14 @@ def test_tokens_the_served_tokenizer_config_adds_too_are_not_new(adapter, env, t
     shutil.copy2(adapter / "tokenizer_config.json", served / "tokenizer_config.json")
     rep = validate_adapter(adapter, env.tiny_vl_base, FleetRules(served_path=served, vllm_version="0.19.2"))
     assert "tokenizer.added_tokens" not in ids(rep), [c.message for c in rep.checks]
+
+
+def test_a_rank_below_max_lora_rank_that_is_no_flag_value_passes(tmp_path, tiny_base, tiny_vl_base):
+    """vLLM refuses only r > --max-lora-rank (peft_helper.py validate_legal) and copies a smaller adapter into the
+    first rows of its max-rank buffers: r=4 served as its zero-padded r=8 equivalent on vLLM CPU 0.32 (same greedy
+    tokens and logprobs). config.rank refused every r outside {1, 8, 16, ...}, the values of the server flag."""
+    a = peft_adapter(tiny_base, tmp_path / "r4", r=4, alpha=8)
+    rep = validate_adapter(a, tiny_vl_base, FleetRules(vllm_version="0.19.2"))
+    assert rep.passed and "config.rank" not in ids(rep), [(c.id, c.message) for c in rep.errors]
+    edit_config(a, rank_pattern={"q_proj": 12})
+    assert "config.rank" not in ids(validate_adapter(a, tiny_vl_base, FleetRules(vllm_version="0.19.2")))
