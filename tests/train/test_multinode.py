@@ -48,8 +48,8 @@ def test_two_nodes_train_one_adapter(tmp_path, tiny_base):
     out = {n: p.communicate(timeout=900) for n, p in procs.items()}
     for n, p in procs.items():
         assert p.returncode == 0, f"node {n}: {out[n][1][-3000:]}"
-    primary = json.loads(out[0][0].strip().splitlines()[-1])
-    worker = json.loads(out[1][0].strip().splitlines()[-1])
+    primary = json.loads(out[0][0])  # --json: the one document on stdout
+    worker = json.loads(out[1][0])
     assert worker["adapter"] is None
     manifest = json.loads(open(os.path.join(primary["adapter"], "manifest.json")).read())
     assert manifest["gpus"] == 2 and manifest["strategy"]["strategy"] == "ddp"
