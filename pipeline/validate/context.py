@@ -90,6 +90,7 @@ class ModuleEntry:
 # Machine epsilon (gap between 1 and the next value) of the dtypes the engine computes in.
 EFFECT_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
 BASE_SAMPLE_ROWS = 8
+PEAK_EXACT_ABOVE = 1024.0  # below every dtype's largest value (fp16: 65504): a bound under it is exact enough
 
 
 def sampled_frobenius(path: Path, info: TensorInfo, rows: int = BASE_SAMPLE_ROWS) -> float | None:
@@ -509,9 +510,12 @@ class Context(CheckpointFacts, TemplateFacts):
             return 1.0
 
     @cached_property
-    def update_norms(self) -> dict[str, float]:
-        """{peft module: ||scale * B @ A||_F} for complete, finite, 2-D pairs (computed from two r x r Grams)."""
-        out = {}
+    def module_values(self) -> tuple[dict[str, float], dict[str, float]]:
+        """({peft module: ||scale * B @ A||_F}, {peft module: the largest magnitude vLLM stores for it, max |A| and
+        max |B| x |scale| (lora/lora_weights.py optimize() folds the scale into B): exact from PEAK_EXACT_ABOVE up,
+        below it an upper bound from the Grams' diagonals}) for complete, finite, 2-D pairs; the norm from two
+        r x r Grams. One read of each tensor."""
+        norms, peaks = {}, {}
         for m in self.live():
             if m.a is None or m.b is None or len(m.a.shape) != 2 or len(m.b.shape) != 2:
                 continue
@@ -526,12 +530,36 @@ class Context(CheckpointFacts, TemplateFacts):
             ):
                 continue
             a, b = self.values(m.a), self.values(m.b)  # float32: the Grams are r x r
-            sq = float(((b.T @ b) * (a @ a.T)).sum())
+            scale = abs(self.scale(m))
+            ga, gb = a @ a.T, b.T @ b
+            sq = float((gb * ga).sum())
             if not math.isfinite(sq):  # float32 overflow on huge (finite) values: redo in float64
                 a, b = a.astype("float64"), b.astype("float64")
-                sq = float(((b.T @ b) * (a @ a.T)).sum())
-            out[m.peft_module] = abs(self.scale(m)) * math.sqrt(max(sq, 0.0))
-        return out
+                ga, gb = a @ a.T, b.T @ b
+                sq = float((gb * ga).sum())
+            norms[m.peft_module] = scale * math.sqrt(max(sq, 0.0))
+            if a.size and b.size:
+                # a row norm of A (a column norm of B) bounds its largest element: read the Grams' diagonals,
+                # and the elements themselves only when the bound comes near a dtype's range
+                peaks[m.peft_module] = bound = max(
+                    math.sqrt(max(float(ga.diagonal().max()), 0.0)),
+                    math.sqrt(max(float(gb.diagonal().max()), 0.0)) * scale,
+                )
+                if not bound < PEAK_EXACT_ABOVE:
+                    peaks[m.peft_module] = max(
+                        float(a.max()), -float(a.min()), max(float(b.max()), -float(b.min())) * scale
+                    )
+        return norms, peaks
+
+    @property
+    def update_norms(self) -> dict[str, float]:
+        """{peft module: ||scale * B @ A||_F} (`module_values`)."""
+        return self.module_values[0]
+
+    @property
+    def value_peaks(self) -> dict[str, float]:
+        """{peft module: max |A| and max |scale x B| (an upper bound when below PEAK_EXACT_ABOVE): `module_values`."""
+        return self.module_values[1]
 
     @cached_property
     def expected_weights(self) -> tuple[int | None, int]:

@@ -47,6 +47,30 @@ def nonfinite(ctx: AdapterFacts):
         )
 
 
+# The largest finite value of each dtype vLLM may hold LoRA weights in (--lora-dtype auto: the model's dtype).
+DTYPE_MAX = {"bfloat16": 3.3895313892515355e38, "float16": 65504.0, "float32": 3.4028234663852886e38}
+
+
+@check(
+    "values.overflow",
+    "error",
+    "`scale x lora_B` (or `lora_A`) exceeds the largest value of the serving dtype: vLLM folds the scale into "
+    "lora_B in that dtype at load (lora/lora_weights.py optimize), so the module holds Inf like a NaN/Inf weight",
+)
+def overflow(ctx: AdapterFacts):
+    limit = DTYPE_MAX[ctx.serving_dtype]
+    over = {m: v for m, v in ctx.value_peaks.items() if not v < limit}
+    if over:
+        worst = max(over, key=over.get)
+        yield Issue(
+            f"{len(over)} module(s) (e.g. {worst}: {over[worst]:.3g}) hold a value above {ctx.serving_dtype}'s "
+            f"largest {limit:.4g} once vLLM folds the scale alpha/r into lora_B in the serving dtype: they load as "
+            "Inf and corrupt other tenants' requests like a NaN weight; lora_alpha (or an alpha_pattern value) is "
+            "wrong for these weights: set the value the adapter was trained with",
+            str(ctx.wfile),
+        )
+
+
 def _bands(ctx: AdapterFacts) -> tuple[float, float, float]:
     """(machine epsilon, error band, warning band) of the serving dtype (docs/validation.md "No effect")."""
     eps = EFFECT_EPS[ctx.serving_dtype]

@@ -1216,6 +1216,17 @@ CASES = [
         ["mtp_num_hidden_layers = 'one'"],
         {},
     ),
+    # a finite adapter that vLLM turns into Inf: the scale is folded into lora_B in the serving dtype at load
+    # (lora_weights.py optimize): an absurd lora_alpha in bf16, an fp32 lora_B beyond fp16's 65504 on an fp16 fleet
+    ("values.overflow", "error", ("config", {"lora_alpha": 1e300}), {}, ["bfloat16's largest", "Inf"], {}),
+    (
+        "values.overflow",
+        "error",
+        ("tensors", _scale("lora_B", 1e6, lambda k: ".layers.3.mlp.up_proj" in k)),
+        _served_with("fp16", _served_config(torch_dtype="float16")),
+        ["layers.3.mlp.up_proj", "float16's largest 6.55e+04"],
+        {},
+    ),
     ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 512}, ["512", "#22782"], {}),
     ("fleet.rank_oversized", "warning", None, {"max_lora_rank": 64}, ["64"], {}),
     (
