@@ -115,6 +115,15 @@ def _owner_hint(path: Path, what: str) -> str:
     except OSError:
         owner = None
     me = os.geteuid()
+    try:  # a read-only mount: no chmod helps (the hint it gave before)
+        read_only_fs = bool(os.statvfs(path.parent).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only_fs = False
+    if what == "write" and read_only_fs:
+        return (
+            f"is on a filesystem mounted read-only ({path.parent}): run the command where the store is "
+            "mounted read-write, or point MLFLOW_TRACKING_URI at a store that is"
+        )
     if owner is not None and owner != me:
         return (
             f"cannot be {'read' if what == 'read' else 'written'} by this user (uid {me}); it belongs to "

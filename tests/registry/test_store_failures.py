@@ -222,6 +222,31 @@ def test_read_only_store_is_refused_before_the_volume_changes(
     assert _cli(cfg, "status", "agent").exit_code == 0  # still readable
 
 
+def test_a_store_on_a_read_only_mount_gets_the_fix_that_fits(tmp_path, release_adapters):
+    """Sibling of kind 8's wrong suggested fix: on a really read-only mount (a bind mount remounted
+    `ro`) the error said "make it writable (chmod u+rw ...)", which no chmod can do."""
+    import shutil
+    import subprocess
+
+    cfg = new_project(tmp_path / "p")
+    register_versions(cfg, "agent", release_adapters[:1], 1)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(cfg.state_dir), str(ro)], capture_output=True)
+    if mounted.returncode != 0 or shutil.which("mount") is None:
+        pytest.skip(f"no bind mount here: {mounted.stderr.decode()[:200]}")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        ro_cfg = new_project(tmp_path / "q", store=False, state_dir=str(ro))
+        store._checked.clear()
+        r = _cli(ro_cfg, "publish", "agent", "--version", "1")
+        assert r.exit_code == 2 and "mounted read-only" in r.output and "chmod" not in r.output, r.output
+        assert _cli(ro_cfg, "status", "agent").exit_code == 0  # still readable
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
 def test_status_reads_while_another_process_writes(tmp_path):
     """Sibling of the locked store: a writer's reserved lock (a `register` mid-transaction) does not
     stop a read; only an exclusive lock does (test_locked_sqlite_store)."""
