@@ -30,7 +30,13 @@ from pipeline.registry.tags import (
     GATE_VERDICT_TAG,
 )
 
-HEADLINES = ("PUBLISHED to ", "GATED, stays candidate", "NOT SHIPPABLE", "candidate: ")
+HEADLINES = (
+    "PUBLISHED to ",
+    "PRUNED from the volume",
+    "GATED, stays candidate",
+    "NOT SHIPPABLE",
+    "candidate: ",
+)
 MODEL_TAGS = ("production", "production.path", "candidate")
 PROMOTE_NOTE = (
     "Ship a version with `pipeline promote {name} VERSION` (volume, fleet, aliases in one transaction), "
@@ -39,11 +45,26 @@ PROMOTE_NOTE = (
 )
 
 
+def published_path(tags: dict[str, str]) -> str | None:
+    """Where the version is on the volume now: `published.path`, unless `fleet prune` deleted it since
+    (its `pruned` event is newer than the last publish; both times are record_event's UTC ISO-8601)."""
+    path = tags.get("published.path")
+    pruned = tags.get("pruned.time")
+    if path and pruned and pruned >= (tags.get("published.time") or ""):
+        return None
+    return path or None
+
+
 def headline(tags: dict[str, str]) -> str:
     """The first line of a version's description, from its tags (no I/O)."""
     verdict = tags.get("validation.verdict") or "unknown"
     if verdict != "pass":
         return f"NOT SHIPPABLE: validation {verdict}; `pipeline publish` refuses it (`pipeline validate` says why)"
+    if tags.get("published.path") and not published_path(tags):
+        return (
+            f"PRUNED from the volume at {tags.get('pruned.time')} (was published to {tags['published.path']}); "
+            "`pipeline publish` or `rollback --to` copies it back"
+        )
     if tags.get("published.path"):  # shipped: also a gated version someone shipped with --force
         forced = " (past the gate: shipped with --force)" if tags.get(GATE_VERDICT_TAG) == "gated" else ""
         return f"PUBLISHED to {tags['published.path']} at {tags.get('published.time') or '?'}{forced}"
@@ -81,7 +102,7 @@ def model_summary(name: str, aliases: dict[str, int], tags_of: dict[int, dict[st
     tags: dict[str, str] = {}
     lines = []
     if prod is not None:
-        path = tags_of.get(prod, {}).get("published.path", "")
+        path = published_path(tags_of.get(prod, {})) or ""
         tags["production"] = f"v{prod}"
         if path:
             tags["production.path"] = path

@@ -37,6 +37,7 @@ from pipeline.release.transaction import (
     checkpoint,
     clear_intent,
     protected_versions,
+    record_pruned,
     save_intent,
 )
 
@@ -105,6 +106,7 @@ def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list
             clear_intent(vol, name)  # nothing (more) deleted
             raise
         removed += [d for v in doomed if (d := remove_version(vol, name, v, intent.id, checkpoint))]
+        record_pruned(cfg, intent, doomed)
         clear_intent(vol, name)
         return removed
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.registry.events import events
+from pipeline.registry.presentation import published_path
 from pipeline.registry.read import backend, read_models
 from pipeline.registry.store import redact_uri
 from pipeline.registry.versions import ALIAS_PRODUCTION, GATE_REASON_TAG, GATE_VERDICT_TAG
@@ -131,7 +132,7 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
                     "gate": gate,
                     **{k: number(t.get(k)) for k in NUMERIC_TAGS},
                     "weights_sha256": t.get("weights_sha256"),
-                    "published_path": t.get("published.path"),
+                    "published_path": published_path(t),
                     "published_time": t.get("published.time"),
                     "run_id": mv.run_id,
                     "created": dt.datetime.fromtimestamp(mv.creation_timestamp / 1000, dt.UTC).isoformat(

@@ -321,6 +321,25 @@ class Recovery:
     note: str
 
 
+def record_pruned(cfg: ProjectConfig, intent: Intent, versions: list[int]) -> None:
+    """A `pruned` event on each version a prune deleted, and their headlines: without it `status` and the
+    MLflow UI still said "PUBLISHED to <path>" of a directory that is gone. Once per transaction
+    (`txn`), so a prune finished after a kill records each version once; versions whose directory is
+    still there (kept, or re-published meanwhile) are left alone."""
+    vol = cfg.volume.path
+    gone = [v for v in versions if not os.path.lexists(version_dir(vol, intent.name, v))]
+    for v in gone:
+        registry.record_event(
+            cfg,
+            intent.name,
+            v,
+            {"type": "pruned", "path": str(version_dir(vol, intent.name, v))},
+            txn=intent.id,
+        )
+    if gone:
+        registry.refresh_ui(cfg, intent.name, gone)
+
+
 def recover(
     cfg: ProjectConfig, name: str, prefer: str = "complete", wanted: frozenset[int] = frozenset()
 ) -> Recovery | None:
@@ -342,6 +361,7 @@ def recover(
             protected = protected_versions(cfg, name) | set(wanted)
             left = [v for v in intent.doomed if v not in protected]
             removed = [v for v in left if remove_version(vol, name, v, intent.id)]
+            record_pruned(cfg, intent, [v for v in intent.doomed if v not in protected])
             clear_intent(vol, name)
         kept = sorted(set(intent.doomed) - set(left))
         note = f"finished an interrupted {what}: {len(removed)} more version director{'y' if len(removed) == 1 else 'ies'} removed"

@@ -84,6 +84,35 @@ def test_recovered_prune_keeps_what_the_operator_wants_now(cfg, release_adapters
     assert load_state(cfg.volume.path).version(name) == 1
 
 
+def test_pruned_versions_are_no_longer_called_published(cfg, release_adapters, name):
+    """Sibling (a state the next command does not report): after `fleet prune` the registry still said
+    "PUBLISHED to <volume>/NAME-v1" (status's PUBLISHED column, the UI's headline) of a directory that
+    was gone. A prune (and a killed prune finished later) records a `pruned` event once per version;
+    publishing the version again makes it published again."""
+    from pipeline.release.status import collect
+
+    register_versions(cfg, name, release_adapters, 3)
+    for v in (1, 2, 3):
+        publish(cfg, name, version=v)
+    with crash_at("prune-moved"), pytest.raises(Killed):
+        prune(cfg, name, keep=1)
+    publish(cfg, name, version=3)  # finishes the prune
+
+    def published():
+        (model,) = collect(cfg, name, fleet=False)["models"]
+        return {v["version"]: v["published_path"] for v in model["versions"]}
+
+    assert published() == {3: str(cfg.volume.path / f"{name}-v3"), 2: None, 1: None}
+    client = registry.client(cfg)
+    for v in (1, 2):
+        mv = client.get_model_version(name, str(v))
+        assert mv.description.startswith("PRUNED from the volume"), mv.description
+        assert [e["type"] for e in registry.events(mv)].count("pruned") == 1
+    publish(cfg, name, version=1)
+    assert published()[1] == str(cfg.volume.path / f"{name}-v1")
+    assert client.get_model_version(name, "1").description.startswith("PUBLISHED to ")
+
+
 def test_an_incomplete_version_directory_is_not_ok(cfg, release_adapters, name):
     """Sibling: a version directory that lost a file some other way (not desired, so never hashed):
     `fleet status` said nothing; a rollback to it would fail at the worst moment."""
