@@ -13,8 +13,9 @@ independent of the shard size. `safetensors.torch.save_file` would need a whole 
 hence the small streaming writer below (format: 8-byte little-endian header length, JSON header
 padded with spaces to 8 bytes, raw little-endian data; https://github.com/huggingface/safetensors).
 
-Atomicity: everything is written into `<out>.partial-XXXX` next to `out`, fsynced, the manifest
-goes in last, then one `rename`. A crash leaves only a `.partial-` directory, never `out`.
+Atomicity: everything is written into `<out>.partial.<pid>@<host>.XXXX` next to `out`, fsynced, the
+manifest goes in last, then one `rename`. A crash leaves only that directory, never `out`, and the
+next merge to the same `out` removes it (`write.clear_killed_work`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,7 +47,14 @@ from pipeline.artifacts.manifest import (
 from pipeline.merge.plan import INDEX, MergeError, MergeMismatch, MergePlan, plan_merge
 from pipeline.merge.quantize import modelopt_version, quantize_checkpoint
 from pipeline.merge.static import merge_refusals
-from pipeline.merge.write import copy_side_files, progress_bar, seal_output, write_shard
+from pipeline.merge.write import (
+    clear_killed_work,
+    copy_side_files,
+    progress_bar,
+    seal_output,
+    work_dir,
+    write_shard,
+)
 from pipeline.train.launch import base_fingerprint
 
 __all__ = [
@@ -131,8 +138,8 @@ def merge_adapter(
     lora = load_file(str(adapter_dir / WEIGHTS_FILE))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
-    os.chmod(partial, 0o755)  # mkdtemp makes 0700; servers may run as another user
+    clear_killed_work(out_dir)
+    partial = work_dir(out_dir, "partial")
     merged: list[str] = []
     written = 0
     threads_before = torch.get_num_threads()
@@ -240,7 +247,8 @@ def merge_and_quantize(
         raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
     modelopt_version()  # before any byte is written
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.bf16-", dir=out_dir.parent))
+    clear_killed_work(out_dir)
+    scratch = work_dir(out_dir, "bf16")
     partial = None
     try:
         bf16 = merge_adapter(
@@ -254,8 +262,7 @@ def merge_and_quantize(
             threads=threads,
             device=device,
         )
-        partial = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
-        os.chmod(partial, 0o755)
+        partial = work_dir(out_dir, "partial")
         record = quantize_checkpoint(
             bf16.out,
             partial,

@@ -12,15 +12,76 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import mmap
 import os
+import re
 import shutil
+import socket
 import struct
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.merge.plan import CHUNK_BYTES, SKIP_FILES, SKIP_SUFFIXES, Entry, MergeError, ShardPlan
+
+log = logging.getLogger("pipeline.merge")
+
+
+# -- work directories next to the output: `<out>.partial.<pid>@<host>.<random>`, `<out>.bf16.<...>` ------
+def work_dir(out_dir: Path, kind: str) -> Path:
+    """A new directory next to `out_dir` (same filesystem: the last step is a rename), mode 0755, named
+    after this process so that a later merge can tell when its writer is gone (`clear_killed_work`)."""
+    out_dir = Path(out_dir)
+    d = Path(
+        tempfile.mkdtemp(
+            prefix=f"{out_dir.name}.{kind}.{os.getpid()}@{socket.gethostname()}.", dir=out_dir.parent
+        )
+    )
+    os.chmod(d, 0o755)  # mkdtemp makes 0700; servers may run as another user
+    return d
+
+
+def clear_killed_work(out_dir: Path) -> list[Path]:
+    """Remove the work directories a killed merge to `out_dir` left (SIGKILL, the OOM killer: SIGTERM
+    and errors clean up themselves); returns them.
+
+    A merge writes gigabytes into `<out>.partial...` before its one rename; killed, that stayed for
+    ever, and the next merge to the same `--out` neither said nor removed it. A directory of this
+    host whose process is gone is removed; one of a live process or another host is left alone; one
+    of an older pipeline (`<out>.partial-XXXX`, no process in its name) is named in a warning.
+    """
+    out_dir = Path(out_dir)
+    mine = re.compile(rf"{re.escape(out_dir.name)}\.(partial|bf16)\.(?P<pid>\d+)@(?P<host>.+)\.[^.]+\Z")
+    older = re.compile(rf"{re.escape(out_dir.name)}\.(partial|bf16)-[^.]+\Z")
+    removed = []
+    try:
+        entries = list(os.scandir(out_dir.parent))
+    except OSError:
+        return removed
+    for e in entries:
+        if not e.is_dir(follow_symlinks=False):
+            continue
+        m = mine.match(e.name)
+        if m and m["host"] == socket.gethostname() and not _alive(int(m["pid"])):
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(Path(e.path))
+            log.warning("removed %s: the work directory of a merge that was killed", e.path)
+        elif older.match(e.name):
+            log.warning("%s: the work directory of a killed merge? remove it if no merge is running", e.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
 
 PAGE = mmap.PAGESIZE
 
