@@ -66,6 +66,11 @@ class ServedSection(_Section):
     )
     served_model_name: str | None = Field(None, description="vLLM --served-model-name, if set")
 
+    @property
+    def base_name(self) -> str:
+        """The string vLLM lists as the adapter's `parent` (served name, else the model string)."""
+        return self.served_model_name or self.model
+
 
 def http_base_url(v: str) -> str:
     """`v` without a trailing slash if it is an http(s) URL with a host, a valid port (not 0), no white
@@ -372,8 +377,8 @@ class ProjectConfig(BaseSettings):
 
     @property
     def served_base_name(self) -> str:
-        """The string vLLM lists as the adapter's `parent` (served name, else the model string)."""
-        return self.served.served_model_name or self.served.model
+        """The string vLLM lists as the adapter's `parent` (`ServedSection.base_name`)."""
+        return self.served.base_name
 
 
 def _resolve_paths(cfg: ProjectConfig, root: Path) -> ProjectConfig:

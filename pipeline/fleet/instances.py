@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipeline.artifacts.volume import version_name
-from pipeline.config import Instance, ProjectConfig
+from pipeline.config import FleetSection, Instance
 from pipeline.errors import FleetError, UsageError
 from pipeline.findings import Finding
 from pipeline.fleet.client import Hung, InstanceClient, InstanceError, Timeouts, Unreachable
@@ -19,9 +19,9 @@ from pipeline.fleet.client import Hung, InstanceClient, InstanceError, Timeouts,
 NO_ANSWER = ("fleet.unreachable", "fleet.hung")
 
 
-def instance_path(cfg: ProjectConfig, name: str, version: int) -> str:
+def instance_path(fleet: FleetSection, name: str, version: int) -> str:
     """Where instances see `<volume>/<NAME>-v<N>` (`fleet.volume_mount` + the directory name)."""
-    return f"{cfg.fleet.volume_mount.rstrip('/')}/{version_name(name, version)}"
+    return f"{fleet.volume_mount.rstrip('/')}/{version_name(name, version)}"
 
 
 @dataclass
@@ -118,11 +118,11 @@ class InstanceReport:
         }
 
 
-def client_for(cfg: ProjectConfig, inst: Instance) -> InstanceClient:
-    return InstanceClient(inst, Timeouts.of(cfg.fleet))
+def client_for(fleet: FleetSection, inst: Instance) -> InstanceClient:
+    return InstanceClient(inst, Timeouts.of(fleet))
 
 
-def each_instance(cfg: ProjectConfig, fn, only: list[str] | None = None) -> list[InstanceReport]:
+def each_instance(fleet: FleetSection, fn, only: list[str] | None = None) -> list[InstanceReport]:
     """Run `fn(client, report)` on every instance (or those named in `only`) concurrently.
 
     Exceptions (`InstanceError`, `FleetError`) land in the report as findings; `ok` is set when
@@ -132,19 +132,19 @@ def each_instance(cfg: ProjectConfig, fn, only: list[str] | None = None) -> list
     def one(inst: Instance) -> InstanceReport:
         rep = InstanceReport(inst.name, inst.url)
         try:
-            with client_for(cfg, inst) as client:
+            with client_for(fleet, inst) as client:
                 fn(client, rep)
         except (InstanceError, FleetError) as e:
             rep.fail(e)
         rep.ok = not rep.errors
         return rep
 
-    insts = [i for i in cfg.fleet.instances if only is None or i.name in only]
-    if not cfg.fleet.instances:
+    insts = [i for i in fleet.instances if only is None or i.name in only]
+    if not fleet.instances:
         raise UsageError("no fleet instances configured (fleet.instances in pipeline.yaml)")
     # Missing API keys are usage errors for the whole command: check before touching anything.
     for inst in insts:
-        client_for(cfg, inst).close()
+        client_for(fleet, inst).close()
     if not insts:
         return []
     with ThreadPoolExecutor(max_workers=len(insts)) as pool:

@@ -90,7 +90,7 @@ class ApiMode:
 
     def switch(self, client: InstanceClient, rep: InstanceReport, name: str, version: int) -> bool:
         """Load the version name (and, with `repoint`, re-point the stable name); verify; canary."""
-        target = instance_path(self.cfg, name, version)
+        target = instance_path(self.cfg.fleet, name, version)
         rep.before = current = client.adapters()
         names = [version_name(name, version)] + ([name] if self.plan.strategy == "repoint" else [])
         changed = False

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from pipeline.config import ProjectConfig
+from pipeline.config import FleetSection, ServedSection
 from pipeline.fleet.client import InstanceClient
 from pipeline.fleet.instances import InstanceReport, each_instance, failure
 
@@ -49,42 +49,47 @@ def inspect(client: InstanceClient) -> Served:
     return Served(client.version(), [(c.id, c.root) for c in client.base_cards()])
 
 
-def check_served(cfg: ProjectConfig, client: InstanceClient, rep: InstanceReport) -> bool:
-    """Inspect the instance, record version and mismatches in `rep`; True when it matches the config."""
-    served = inspect(client)
-    rep.vllm_version = served.version
+def check_served(
+    fleet: FleetSection, served: ServedSection, client: InstanceClient, rep: InstanceReport
+) -> bool:
+    """Inspect the instance, record version and mismatches in `rep`; True when it runs `fleet.vllm_version`
+    and serves the `served` model."""
+    seen = inspect(client)
+    rep.vllm_version = seen.version
     ok = True
-    want = cfg.fleet.vllm_version
-    if not same_version(want, served.version):
+    want = fleet.vllm_version
+    if not same_version(want, seen.version):
         ok = False
-        got = served.version or "no version (GET /version failed)"
+        got = seen.version or "no version (GET /version failed)"
         rep.error(
             "fleet.version_mismatch",
             f"runs vLLM {got}, but fleet.vllm_version is {want}: the pipeline's vLLM rules and swap "
             f"strategy are chosen for {want}. Set fleet.vllm_version to what the instances run, or "
             f"upgrade/downgrade this instance",
         )
-    names = {cid for cid, _ in served.models}
-    roots = {root for _, root in served.models}
-    if cfg.served_base_name not in names or (roots - {None} and cfg.served.model not in roots):
+    names = {cid for cid, _ in seen.models}
+    roots = {root for _, root in seen.models}
+    if served.base_name not in names or (roots - {None} and served.model not in roots):
         ok = False
-        got = ", ".join(f"{cid} (root {root})" for cid, root in served.models) or "no base model"
+        got = ", ".join(f"{cid} (root {root})" for cid, root in seen.models) or "no base model"
         rep.error(
             "fleet.model_mismatch",
-            f"serves {got}, but the project expects {cfg.served_base_name!r} (served.served_model_name, "
-            f"else served.model) from {cfg.served.model!r} (served.model): adapters validated for the "
+            f"serves {got}, but the project expects {served.base_name!r} (served.served_model_name, "
+            f"else served.model) from {served.model!r} (served.model): adapters validated for the "
             f"configured checkpoint would run on another one",
         )
     return ok
 
 
-def needed(cfg: ProjectConfig) -> int:
+def needed(fleet: FleetSection) -> int:
     """Instances that must confirm a publish: `fleet.min_healthy`, default (None) every instance."""
-    n = len(cfg.fleet.instances)
-    return n if cfg.fleet.min_healthy is None else min(cfg.fleet.min_healthy, n)
+    n = len(fleet.instances)
+    return n if fleet.min_healthy is None else min(fleet.min_healthy, n)
 
 
-def preflight(cfg: ProjectConfig, title: str = "publish refused") -> list[InstanceReport]:
+def preflight(
+    fleet: FleetSection, served: ServedSection, title: str = "publish refused"
+) -> list[InstanceReport]:
     """Check every instance before a publish changes anything; returns one report per instance.
 
     Raises:
@@ -95,17 +100,17 @@ def preflight(cfg: ProjectConfig, title: str = "publish refused") -> list[Instan
     """
 
     def one(client: InstanceClient, rep: InstanceReport) -> None:
-        check_served(cfg, client, rep)
+        check_served(fleet, served, client, rep)
 
-    reports = each_instance(cfg, one)
+    reports = each_instance(fleet, one)
     mismatched = [r for r in reports if r.answered and not r.ok]
     answering = [r for r in reports if r.ok]
-    if mismatched or len(answering) < needed(cfg):
+    if mismatched or len(answering) < needed(fleet):
         why = (
             "instance(s) differ from the configured fleet"
             if mismatched
-            else f"{len(answering)} of {len(reports)} instance(s) answer, {needed(cfg)} must "
-            f"(fleet.min_healthy: {cfg.fleet.min_healthy or 'all'})"
+            else f"{len(answering)} of {len(reports)} instance(s) answer, {needed(fleet)} must "
+            f"(fleet.min_healthy: {fleet.min_healthy or 'all'})"
         )
         raise failure(f"{title} before any change ({why}; nothing was changed)", reports)
     return reports

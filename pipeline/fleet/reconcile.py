@@ -33,7 +33,9 @@ from pipeline.fleet.state import FleetState, fleet_lock, load_state, save_state
 def _reconcile(
     client: InstanceClient, cfg: ProjectConfig, mode: LoadingMode, state: FleetState, rep: InstanceReport
 ) -> None:
-    if not check_served(cfg, client, rep):  # Unreachable/Hung first: that is the instance's state
+    if not check_served(
+        cfg.fleet, cfg.served, client, rep
+    ):  # Unreachable/Hung first: that is the instance's state
         return
     for name, entry in sorted(state.adapters.items()):
         version = int(entry["version"])
@@ -59,7 +61,7 @@ def sync_locked(cfg: ProjectConfig) -> list[InstanceReport]:
     """`sync` for a caller already holding the fleet lock; updates the instances' marks."""
     state = load_state(cfg.volume.path)
     mode = loading_mode(cfg)
-    reports = each_instance(cfg, lambda c, r: _reconcile(c, cfg, mode, state, r))
+    reports = each_instance(cfg.fleet, lambda c, r: _reconcile(c, cfg, mode, state, r))
     changed = False
     for r in reports:
         if r.ok and state.clear_mark(r.instance):
@@ -138,7 +140,7 @@ def status(cfg: ProjectConfig) -> list[StatusRow]:
     def one(client: InstanceClient, rep: InstanceReport) -> None:
         mark = _mark_detail(state, client.name)
         try:
-            matches = check_served(cfg, client, rep)
+            matches = check_served(cfg.fleet, cfg.served, client, rep)
             loaded = client.adapters()
         except Hung as e:
             rows.append(
@@ -162,7 +164,7 @@ def status(cfg: ProjectConfig) -> list[StatusRow]:
         known = set()
         for name, entry in sorted(state.adapters.items()):
             want = int(entry["version"])
-            target = instance_path(cfg, name, want)
+            target = instance_path(cfg.fleet, name, want)
             served_name = mode.served_name(name, want)
             known |= {served_name} | set(loaded_versions(loaded, name).values())
             root = loaded.get(served_name)
@@ -176,7 +178,7 @@ def status(cfg: ProjectConfig) -> list[StatusRow]:
                 StatusRow(client.name, n, None, _served_version(loaded[n]), "extra", "loaded, not desired", v)
             )
 
-    reports = each_instance(cfg, one)
+    reports = each_instance(cfg.fleet, one)
     for r in reports:
         if r.errors and not any(row.instance == r.instance for row in rows):
             rows.append(StatusRow(r.instance, None, None, None, "error", "; ".join(r.errors), r.vllm_version))

@@ -50,7 +50,7 @@ def _undo_all(cfg: ProjectConfig, mode: LoadingMode, reports: list[InstanceRepor
 
     def undo(rep: InstanceReport) -> None:
         try:
-            with client_for(cfg, by_name[rep.instance]) as client:
+            with client_for(cfg.fleet, by_name[rep.instance]) as client:
                 n_errors = len(rep.errors)
                 mode.undo(client, rep)
                 rep.restored = len(rep.errors) == n_errors
@@ -69,21 +69,21 @@ def switch_all(cfg: ProjectConfig, mode: LoadingMode, name: str, version: int) -
     Raises FleetError (exit 4) after putting every answering instance back; instances whose
     serving is unknown are marked in the desired-state record.
     """
-    checked = preflight(cfg)
+    checked = preflight(cfg.fleet, cfg.served)
     answering = [r.instance for r in checked if r.ok]
 
     def switch(client: InstanceClient, rep: InstanceReport) -> None:
         # The version may have changed since the preflight: what the instance runs is part of the switch.
-        if check_served(cfg, client, rep):
+        if check_served(cfg.fleet, cfg.served, client, rep):
             mode.switch(client, rep, name, version)
 
     reports = {r.instance: r for r in checked}
-    reports.update({r.instance: r for r in each_instance(cfg, switch, only=answering)})
+    reports.update({r.instance: r for r in each_instance(cfg.fleet, switch, only=answering)})
     reports = [reports[i.name] for i in cfg.fleet.instances]
     confirmed = [r for r in reports if r.ok]
     refused = [r for r in reports if not r.ok and r.answered]
     state = load_state(cfg.volume.path)
-    if not refused and len(confirmed) >= needed(cfg):
+    if not refused and len(confirmed) >= needed(cfg.fleet):
         for r in reports:
             if not r.ok:
                 r.warn(
@@ -120,7 +120,7 @@ def cleanup_all(
     """Unload `name`'s version names not in `keep` on every instance that confirmed; best effort
     (failures become `fleet.cleanup_failed` warnings in `reports`)."""
     answering = [r.instance for r in reports if r.ok]
-    cleanup = each_instance(cfg, lambda c, r: mode.cleanup(c, r, name, keep), only=answering)
+    cleanup = each_instance(cfg.fleet, lambda c, r: mode.cleanup(c, r, name, keep), only=answering)
     by_name = {r.instance: r for r in reports}
     for extra in cleanup:
         by_name[extra.instance].actions += extra.actions

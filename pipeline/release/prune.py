@@ -46,7 +46,7 @@ def _unload(cfg: ProjectConfig, name: str, doomed: list[int], force: bool) -> No
     """Unload the doomed version names from every instance; FleetError (nothing deleted) if one serves one."""
     if not cfg.fleet.instances:
         return
-    doomed_paths = {instance_path(cfg, name, v) for v in doomed}
+    doomed_paths = {instance_path(cfg.fleet, name, v) for v in doomed}
     serving: list[str] = []
 
     def unload(client: InstanceClient, rep: InstanceReport) -> None:
@@ -61,7 +61,7 @@ def _unload(cfg: ProjectConfig, name: str, doomed: list[int], force: bool) -> No
                 client.unload(version_name(name, v))
                 rep.actions.append(f"unloaded {version_name(name, v)}")
 
-    reports = each_instance(cfg, unload)
+    reports = each_instance(cfg.fleet, unload)
     if serving or (not force and not all(r.ok for r in reports)):
         raise failure(
             f"prune of {name} refused (nothing deleted; --force skips unreachable instances)", reports

@@ -272,7 +272,9 @@ def publish(
     if override:
         warnings.append(override)
     if cfg.fleet.instances:
-        preflight(cfg)  # every instance runs the configured vLLM and model: else exit 4, nothing written
+        preflight(
+            cfg.fleet, cfg.served
+        )  # every instance runs the configured vLLM and model: else exit 4, nothing written
     volume = Path(cfg.volume.path)
     check_writable(volume)
     with adapter_transaction(cfg, name, prefer="complete", wanted=frozenset({target})) as tx:
