@@ -19,7 +19,7 @@ from pipeline.canary.prompts import Prompt, canary_set, load_tokenizer
 from pipeline.canary.record import record
 from pipeline.canary.reference import Reference, trained_rank_copy
 from pipeline.canary.result import CanaryError, CanaryResult, EngineOutput, Speed, compare, judge, ratio
-from pipeline.config import Instance, ProjectConfig, http_base_url
+from pipeline.config import CanarySection, Instance, ProjectConfig, http_base_url
 from pipeline.errors import UsageError
 from pipeline.fleet.client import InstanceClient, InstanceError
 from pipeline.serving.versions import find_range
@@ -165,15 +165,16 @@ def _quantized(cfg: ProjectConfig, engine_root: str | None) -> bool:
 
 
 # -- the canary -----------------------------------------------------------------------------------------------------
-def staging_instance(cfg: ProjectConfig, url: str | None) -> Instance:
-    url = url or cfg.canary.staging_url
+def staging_instance(canary: CanarySection, url: str | None) -> Instance:
+    """The staging instance: `url`, else `canary.staging_url`. Raises UsageError (none, or not a URL)."""
+    url = url or canary.staging_url
     if not url:
         raise UsageError("no staging instance: pass --staging URL or set canary.staging_url in pipeline.yaml")
     try:
         url = http_base_url(url)
     except ValueError as e:
         raise UsageError(f"--staging: {e}") from None
-    return Instance(name="staging", url=url, api_key_env=cfg.canary.staging_api_key_env)
+    return Instance(name="staging", url=url, api_key_env=canary.staging_api_key_env)
 
 
 def run_canary(
@@ -204,7 +205,7 @@ def run_canary(
     t0 = time.time()
     adapter_dir = Path(adapter_dir).resolve()
     c = cfg.canary
-    inst = staging_instance(cfg, staging_url)
+    inst = staging_instance(cfg.canary, staging_url)
     files = validation_files if validation_files is not None else validation_files_from_manifest(adapter_dir)
     tok = load_tokenizer(adapter_dir, base_dir)
     prompts, notes = canary_set(tok, files, c.prompts)
@@ -326,7 +327,7 @@ def run_canary(
         unloaded=unloaded,
         effect=effect,
     )
-    judge(cfg, res, rank_notes, outside)
+    judge(cfg.canary, res, rank_notes, outside)
     res.seconds = round(time.time() - t0, 2)
     return res
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pipeline.canary.effect import Effect
 from pipeline.canary.prompts import Prompt
-from pipeline.config import ProjectConfig
+from pipeline.config import CanarySection
 from pipeline.errors import CheckFailed
 from pipeline.findings import Finding
 
@@ -147,9 +147,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def judge(cfg: ProjectConfig, res: CanaryResult, rank_notes: list[str], outside: list[str]) -> None:
-    """Fill `res.tolerance` and `res.findings` (ids `canary.*`, each message: what, where, how to fix)."""
-    c = cfg.canary
+def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: list[str]) -> None:
+    """Fill `res.tolerance` and `res.findings` (ids `canary.*`, each message: what, where, how to fix)
+    from the thresholds of `c` (`canary` in pipeline.yaml)."""
     base, ad = res.parity["base"], res.parity["adapter"]
     quantized = bool(res.served.get("quantized"))
     min_agree, max_diff = c.min_token_agreement, c.max_logprob_diff

@@ -145,7 +145,7 @@ def run_served_parity(
         raise UsageError(f"{merged_dir}/{MANIFEST}: not a quantized merge ({what})")
     adapter_dir = Path(man.adapter.path)
     c = cfg.canary
-    hot_inst = staging_instance(cfg, hot_url)
+    hot_inst = staging_instance(cfg.canary, hot_url)
     try:
         merged_inst = Instance(name="merged", url=http_base_url(merged_url))
     except ValueError as e:

@@ -122,7 +122,7 @@ def test_verdict_tolerance_from_the_base(figures, quantized, verdict, words):
     from pipeline.config import ProjectConfig
 
     res = _result(*figures, quantized)
-    judge(ProjectConfig(), res, [], [])
+    judge(ProjectConfig().canary, res, [], [])
     assert res.verdict == verdict, res.problems
     if words:
         check_id, text = words
@@ -141,8 +141,8 @@ def test_staging_url_is_checked_before_any_request(url, tmp_path):
 
     cfg = load_config(write_project_config(tmp_path))
     with pytest.raises(UsageError, match="--staging: .*(http|range)"):
-        staging_instance(cfg, url)
-    assert staging_instance(cfg, "http://127.0.0.1:8000/").url == "http://127.0.0.1:8000"
+        staging_instance(cfg.canary, url)
+    assert staging_instance(cfg.canary, "http://127.0.0.1:8000/").url == "http://127.0.0.1:8000"
 
 
 PER_POS = """\
@@ -206,7 +206,7 @@ def test_effect_floor(retention, floor, verdict):
     res.effect = Effect(40, 2.0, 2.0 * retention, retention, 0.9, 0.3, 0.4)
     cfg = ProjectConfig()
     cfg.canary.min_effect_retention = floor
-    judge(cfg, res, [], [])
+    judge(cfg.canary, res, [], [])
     assert res.verdict == verdict, res.problems
     if verdict == "fail":
         assert res.findings[0].id == "canary.effect" and "retention 0.50" in res.problems[0]
