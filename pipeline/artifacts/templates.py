@@ -39,6 +39,7 @@ import time
 from functools import lru_cache
 
 from pipeline.children import die_with_parent
+from pipeline.errors import UsageError
 
 MAX_MEMORY_BYTES = 1 << 30  # the worker's whole address space (Python + jinja2 use ~40 MB)
 RENDER_TIMEOUT_S = 10.0  # one conversation renders in about a millisecond
@@ -46,7 +47,7 @@ MAX_OUTPUT_CHARS = 1 << 20  # a rendered conversation is a few KB
 MAX_ANSWER_BYTES = 12 * MAX_OUTPUT_CHARS + 4096  # the output as ASCII JSON (a surrogate pair: 12 bytes)
 
 
-class TemplateRenderError(ValueError):
+class TemplateRenderError(UsageError, ValueError):
     """A chat template failed to render: jinja's own error (syntax, undefined, `raise_exception`),
     or a bound of the module doc. `kind` is jinja's exception type, or `bounds`."""
 
