@@ -15,6 +15,7 @@ legitimately harmless, e.g. `ui` against a tracking server only prints its URL).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from tests.support.registry_support import free_port
 
 ERRORS = (1, 2, 3, 4, 5)
 DEEP = "[" * 100_000
+BIG = "9" * 5000
 
 
 @dataclass
@@ -91,6 +93,23 @@ def _hostile_files(root: Path) -> dict[str, Path]:
     p["deep-jsonl"].write_text(DEEP + "\n")
     p["fifo"] = root / "fifo"  # a named pipe: opening it for reading blocked until a writer came
     os.mkfifo(p["fifo"])
+    # numbers over Python's 4300-digit conversion limit (a bare ValueError), and JSON inside a string
+    # that axolotl's dataset reader parses (its depth is not the line's)
+    call = {"type": "function", "function": {"name": "f", "arguments": DEEP}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    p["deep-args-jsonl"] = root / "deep-args.jsonl"
+    p["deep-args-jsonl"].write_text(json.dumps({"messages": msgs}) + "\n")
+    p["bignum-jsonl"] = root / "bignum.jsonl"
+    p["bignum-jsonl"].write_text('{"messages": [{"role": "user", "content": "hi", "n": ' + BIG + "}]}\n")
+    big = root / "bignum-adapter"
+    big.mkdir()
+    (big / "adapter_config.json").write_text('{"r": ' + BIG + ', "lora_alpha": 16}')
+    raw = ('{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + BIG + "]}}").encode()
+    (big / "adapter_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+    (big / "manifest.json").write_text('{"schema": ' + BIG + "}")
+    p["bignum-adapter"] = big
+    p["bignum-yaml"] = root / "bignum.yml"
+    p["bignum-yaml"].write_text(f"base_model: x\nlora_r: {BIG}\n")
     return p
 
 
@@ -127,6 +146,11 @@ def world(tmp_path_factory) -> World:
     os.symlink(root / "a-directory", root / "link-state" / "volume" / ".staging")
     deep_cfg = root / "deep-config.yaml"
     deep_cfg.write_text("fleet: " + DEEP + "\n")
+    (root / "bignum-state" / "volume").mkdir(parents=True)
+    bignum_state = write_project_config(root / "bignum-state")
+    (root / "bignum-state" / "volume" / "fleet-state.json").write_text('{"schema": ' + BIG + "}")
+    bignum_cfg = root / "bignum-config.yaml"
+    bignum_cfg.write_text(f"fleet: {{max_lora_rank: {BIG}}}\n")
     not_db = write_project_config(root / "not-db")
     (root / "not-db" / "state").mkdir(parents=True)
     (root / "not-db" / "state" / "mlflow.db").write_bytes(b"garbage" * 500)
@@ -151,6 +175,8 @@ def world(tmp_path_factory) -> World:
         "env-uri": {**base, "MLFLOW_TRACKING_URI": "http://[::1"},
         "env-typo": {**base, "PIPELINE_VOLUME_PATH": "/elsewhere"},
         "fifo-config": {**base, "PIPELINE_CONFIG": str(w.paths["fifo"])},
+        "bignum-state": {**base, "PIPELINE_CONFIG": str(bignum_state)},
+        "bignum-config": {**base, "PIPELINE_CONFIG": str(bignum_cfg)},
         "env-interval": {**base, "PIPELINE_PROGRESS_INTERVAL": "abc"},
     }
     return w
@@ -167,8 +193,9 @@ CONFIGS = [
     "env-json",
     "env-typo",
     "fifo-config",
+    "bignum-config",
 ]
-VOLUMES = ["broken-state", "binary-state", "deep-state", "link-state"]
+VOLUMES = ["broken-state", "binary-state", "deep-state", "link-state", "bignum-state"]
 
 
 def cases(w: World) -> list[Case]:
@@ -192,14 +219,24 @@ def cases(w: World) -> list[Case]:
     add(Case(["train", tiny, "--overlay", P["deep-yaml"]]))
     add(Case(["train", tiny, "--set", "lora_r=" + "[" * 5000]))
     # validate
-    for f in ("missing", "devnull", "binary", "dir", "loop", "bad-adapter", "empty", "deep-adapter"):
+    for f in (
+        "missing",
+        "devnull",
+        "binary",
+        "dir",
+        "loop",
+        "bad-adapter",
+        "empty",
+        "deep-adapter",
+        "bignum-adapter",
+    ):
         add(Case(["validate", P[f]]))
     add(Case(["validate", P["bad-adapter"], "--base", P["missing"]]))
     add(Case(["validate", P["dir"], "--served", P["binary"], "--json"]))
     # register
     for n in NAMES:
         add(Case(["register", P["dir"], "--name", n]))
-    for f in ("missing", "devnull", "binary", "bad-adapter", "loop", "deep-adapter"):
+    for f in ("missing", "devnull", "binary", "bad-adapter", "loop", "deep-adapter", "bignum-adapter"):
         add(Case(["register", P[f], "--name", "agent"]))
     add(Case(["validate", P["dir"], "--training-config", P["deep-yaml"]]))
     add(Case(["validate", P["dir"], "--training-config", P["fifo"]]))
@@ -322,8 +359,21 @@ def cases(w: World) -> list[Case]:
         )
     )
     # dataset
-    for f in ("missing", "devnull", "binary", "dir", "loop", "yaml", "deep-jsonl", "fifo"):
+    for f in (
+        "missing",
+        "devnull",
+        "binary",
+        "dir",
+        "loop",
+        "yaml",
+        "deep-jsonl",
+        "fifo",
+        "deep-args-jsonl",
+        "bignum-jsonl",
+    ):
         add(Case(["dataset", "check", P[f]]))
+    add(Case(["train", P["bignum-yaml"]]))
+    add(Case(["train", tiny, "--set", "lora_r=" + BIG]))
     add(Case(["dataset", "check", P["empty"], "--validation", P["binary"], "--tokenizer", P["dir"]]))
     add(Case(["dataset", "check", P["empty"], "--sequence-len", "-5"]))
     # config

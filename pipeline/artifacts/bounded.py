@@ -9,7 +9,12 @@ parenthesis. So before a text is parsed:
 - JSON: its nesting depth is counted outside string literals (`nesting_depth`, linear, in C);
 - YAML: the composer refuses a node nested deeper than `max_depth` and a document whose aliases
   expand to more than `MAX_YAML_NODES` nodes ("billion laughs") or refer to themselves;
-- Jinja templates: bracket nesting and block (`{% if %}`, `{% for %}` ...) nesting are counted.
+- Jinja templates: bracket nesting and block (`{% if %}`, `{% for %}` ...) nesting are counted;
+- numbers: an integer literal longer than `MAX_INT_DIGITS` (Python's own limit on decimal
+  conversion, 4300 digits) is refused while parsing, JSON or YAML. Python raised a bare ValueError
+  ("Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()"): a traceback from
+  `dataset check`, `fleet status`, `publish` and `validate` (a safetensors header), and that advice
+  in the messages of the rest.
 
 A text over a bound raises `BoundsError` (a ValueError) naming the file, the bound and how far it
 went; the callers turn it into their own clear error (exit 2) as for any other unreadable file.
@@ -23,6 +28,7 @@ import json
 import os
 import re
 import stat
+import sys
 from itertools import accumulate
 from pathlib import Path
 
@@ -35,6 +41,9 @@ MAX_DEPTH = 64  # JSON / YAML nesting (Python's C JSON parser overflows near 1,0
 MAX_TEMPLATE_DEPTH = 32  # Jinja brackets and blocks: ~15 frames per level in jinja2's parser
 MAX_YAML_NODES = 1_000_000  # nodes after alias expansion
 MAX_JSON_BYTES = 16 * MIB  # default for records the pipeline writes itself
+# digits of an integer literal (Python's limit on decimal conversion; real records: at most ~31, a
+# tokenizer's model_max_length 1000000000000000019884624838656)
+MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
@@ -105,10 +114,34 @@ def check_json_text(
         )
 
 
+def _int_parser(where: str):
+    def parse_int(text: str) -> int:
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise BoundsError(f"{where}: a number of {len(text)} digits (at most {MAX_INT_DIGITS})")
+        return int(text)
+
+    return parse_int
+
+
+_LONG_NUMBER = re.compile(rf"\d{{{MAX_INT_DIGITS + 1}}}")
+
+
+def check_json_bounds(
+    text: str, where: str, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH
+) -> None:
+    """`check_json_text` plus the number bound, for a JSON text another library will parse (axolotl
+    parses a dataset's tool-call arguments with `json.loads`). Raises BoundsError."""
+    check_json_text(text, where, max_bytes, max_depth)
+    if _LONG_NUMBER.search(text):
+        raise BoundsError(f"{where}: a number of more than {MAX_INT_DIGITS} digits")
+
+
 def loads_json(raw: bytes | str, where: str, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH):
-    """`json.loads` after `check_json_text`. Raises BoundsError, json.JSONDecodeError, UnicodeDecodeError."""
+    """`json.loads` after `check_json_text`, refusing integers over `MAX_INT_DIGITS` digits.
+
+    Raises BoundsError, json.JSONDecodeError, UnicodeDecodeError."""
     check_json_text(raw, where, max_bytes, max_depth)
-    return json.loads(raw)
+    return json.loads(raw, parse_int=_int_parser(where))
 
 
 def load_json_file(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH):
@@ -134,6 +167,17 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth = depth - 1
+
+    def construct_bounded_int(self, node):
+        if len(node.value) > MAX_INT_DIGITS:
+            raise BoundsError(
+                f"{self.where}:{node.start_mark.line + 1}: a number of {len(node.value)} digits "
+                f"(at most {MAX_INT_DIGITS})"
+            )
+        return self.construct_yaml_int(node)
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_bounded_int)
 
 
 def _expanded_size(node, where: str) -> int:

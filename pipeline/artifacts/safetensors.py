@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifacts.bounded import BoundsError, check_json_text
+from pipeline.artifacts.bounded import BoundsError, loads_json
 from pipeline.errors import UsageError
 
 # safetensors dtype names -> bits per element (safetensors/src/tensor.rs `Dtype::bitsize`).
@@ -92,9 +92,8 @@ def _parse(path: Path, raw: bytes) -> dict:
         raise HeaderError(
             f"{path}: header is not JSON (does not start with '{{'): corrupt or not safetensors"
         )
-    try:
-        check_json_text(raw, f"{path}: header", MAX_HEADER)  # depth before the recursive parser
-        header = json.loads(raw.decode("utf-8"))
+    try:  # size, depth and number bounds before and while parsing (pipeline.artifacts.bounded)
+        header = loads_json(raw.decode("utf-8"), f"{path}: header", MAX_HEADER)
     except BoundsError as e:
         raise HeaderError(f"{e}: corrupt or not safetensors") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

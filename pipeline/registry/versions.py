@@ -172,7 +172,10 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
                 f"{adapter_dir}: no manifest.json; adapters are registered from `pipeline train` output"
             ) from e
         except (ValueError, OSError) as e:  # not JSON, not a manifest, unreadable
-            raise RegistryError(f"{adapter_dir}: unusable manifest.json ({e}); nothing registered") from e
+            shown = str(e).replace(
+                str(copy), str(adapter_dir)
+            )  # the operator's directory, not the private copy
+            raise RegistryError(f"{adapter_dir}: unusable manifest.json ({shown}); nothing registered") from e
         # The lineage on the version is the manifest's: refuse files that are not what it describes.
         problems = verify_files(copy, manifest.files)
         if problems:

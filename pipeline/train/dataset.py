@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.artifacts.bounded import MIB, BoundsError, loads_json
+from pipeline.artifacts.bounded import MIB, BoundsError, check_json_bounds, loads_json
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.findings import Finding, Report
 
@@ -86,8 +86,17 @@ def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
         return
     args = fn.get("arguments")
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
+        try:  # a string inside the line: its depth was not counted with the line's (bounded)
+            args = loads_json(args, where, MAX_LINE_BYTES)
+        except BoundsError as e:
+            out.append(
+                _error(
+                    where,
+                    f"tool call {fn['name']!r}: arguments: {str(e).removeprefix(f'{where}: ')}",
+                    id="dataset.tool_call",
+                )
+            )
+            return
         except json.JSONDecodeError as e:
             out.append(
                 _error(
@@ -105,6 +114,35 @@ def _check_tool_call(tc, where: str, out: list[Finding]) -> None:
                 id="dataset.tool_call",
             )
         )
+
+
+def _parsed_strings_problem(row: dict, messages) -> str | None:
+    """Why a string axolotl's reader parses with `json.loads` is over a bound, or None.
+
+    axolotl's chat_template strategy parses a `messages` or `tools` field given as a string, each
+    tool's `function.parameters` and each tool call's `function.arguments` given as strings; the
+    line's own depth check counts none of them (they are string literals there). 100,000 `[` in a
+    tool call's arguments ended `dataset check` and `train` in a RecursionError.
+    """
+    texts = [("messages", messages)] if isinstance(messages, str) else []
+    tools = row.get("tools")
+    texts += [("tools", tools)] if isinstance(tools, str) else []
+    for t in tools if isinstance(tools, list) else []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("parameters"), str):
+            texts.append((f"tool {fn.get('name')!r} parameters", fn["parameters"]))
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        for v in m.values() if isinstance(m, dict) else []:
+            for call in v if isinstance(v, list) else []:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    texts.append((f"message {i}: tool call {fn.get('name')!r} arguments", fn["arguments"]))
+    for what, text in texts:
+        try:
+            check_json_bounds(text, what, MAX_LINE_BYTES)
+        except BoundsError as e:
+            return str(e)
+    return None
 
 
 def shape_problem(messages, field: str = "messages") -> str | None:
@@ -387,6 +425,9 @@ def check_datasets(
                 # axolotl's reader would fail on these with a bare IndexError / AttributeError
                 if isinstance(raw, list) and (why := shape_problem(raw, fm)):
                     report.findings.append(_error(where, why))
+                    continue
+                if why := _parsed_strings_problem(row, raw):
+                    report.findings.append(_error(where, why, id="dataset.json"))
                     continue
                 try:
                     messages = read(row)

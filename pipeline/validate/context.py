@@ -25,6 +25,7 @@ from pipeline.artifacts.adapter import (
     parse_key,
     read_adapter_config,
 )
+from pipeline.artifacts.bounded import load_json_file
 from pipeline.artifacts.checkpoint import GEOMETRY_KEYS, LAYER_RE
 from pipeline.artifacts.hashing import DirectoryScan, scan_directory, sha256_file
 from pipeline.artifacts.manifest import MANIFEST, AdapterManifest, read_adapter_manifest
@@ -171,16 +172,15 @@ def config_tokens(d: Path, regular=None) -> dict[str, list[str]]:
     tokenizer_config.json's special tokens (`eos_token`, `pad_token`...), `extra_special_tokens` and
     `added_tokens_decoder` (transformers 5 adds each one missing from the vocabulary: tokenization_utils_base.py
     `from_pretrained`). `regular(path)` says which files may be read (default: regular files, no links)."""
-    import json
 
     regular = regular or (lambda p: p.is_file() and not p.is_symlink())
     out: dict[str, list[str]] = {}
     for name in ("added_tokens.json", "special_tokens_map.json", "tokenizer_config.json"):
         p = Path(d) / name
-        if not regular(p) or p.stat().st_size > 16 << 20:
+        if not regular(p):
             continue
-        try:
-            data = json.loads(p.read_text())
+        try:  # within size, depth and number bounds (a BoundsError is a ValueError)
+            data = load_json_file(p, 16 << 20)
         except (OSError, ValueError):
             continue
         if not isinstance(data, dict):

@@ -176,3 +176,39 @@ def test_a_dataset_line_is_a_finding(tmp_path):
 
     r = CliRunner().invoke(app, ["dataset", "check", str(f)])
     assert r.exit_code in (1, 2) and "Traceback" not in r.output and "nested 100000 levels" in r.output
+
+
+def test_a_number_of_5000_digits_is_a_bounds_error(tmp_path):
+    """Sibling (parsers without bounds, numbers): Python refuses to convert more than 4300 decimal
+    digits with a bare ValueError ("use sys.set_int_max_str_digits()"): a traceback from every command
+    reading pipeline.yaml or fleet-state.json, from `dataset check`, `train --set` and `validate` (a
+    safetensors header). Now it is a BoundsError naming the file and line; real values still read
+    (a tokenizer's model_max_length has 31 digits)."""
+    from pipeline.artifacts.safetensors import HeaderError, read_safetensors_header
+
+    big = "9" * 5000
+    with pytest.raises(BoundsError, match=r"fleet-state.json: a number of 5000 digits \(at most 4300\)"):
+        loads_json('{"v": ' + big + "}", "fleet-state.json")
+    with pytest.raises(BoundsError, match=r"pipeline.yaml:2: a number of 5000 digits"):
+        loads_yaml("fleet:\n  max_lora_rank: " + big + "\n", "pipeline.yaml")
+    assert loads_json('{"m": 1000000000000000019884624838656}', "t") == {"m": 10**30 + 19884624838656}
+    assert loads_yaml("n: -1_000\nh: 0x1f\n", "y") == {"n": -1000, "h": 31}
+    raw = ('{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + big + "]}}").encode()
+    p = tmp_path / "adapter_model.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
+    with pytest.raises(HeaderError, match="a number of 5000 digits"):
+        read_safetensors_header(p)
+
+
+def test_json_inside_a_dataset_string_is_bounded_too(tmp_path):
+    """Sibling: axolotl's reader parses a tool call's `arguments` string with json.loads; its depth was
+    not the line's (a string literal there): 100,000 `[` in it ended `dataset check` in a RecursionError."""
+    from pipeline.train.dataset import check_datasets
+
+    call = {"type": "function", "function": {"name": "f", "arguments": DEEP}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    f = tmp_path / "train.jsonl"
+    f.write_text(json.dumps({"messages": msgs}) + "\n")
+    report = check_datasets([f])
+    (finding,) = [x for x in report.findings if x.severity == "error"]
+    assert "tool call 'f' arguments: nested 100000 levels deep" in finding.message, finding
