@@ -8,6 +8,7 @@ from pathlib import Path
 from pipeline.artifacts.bounded import MIB, loads_json
 from pipeline.errors import UsageError
 from pipeline.validate.behaviour import CANARIES
+from pipeline.validate.chat import render_hf
 
 # Templated tool-call conversations (qwen3_coder XML tool calls in the chat template): the agent
 # workload the fleet serves. The last two end after a tool call / a tool result.
@@ -81,7 +82,7 @@ class Prompt:
 
 # -- canary set -----------------------------------------------------------------------------------------------------
 def _render(tok, messages: list[dict], tools) -> list[int]:
-    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text = render_hf(tok, messages, tools, add_generation_prompt=True)  # bounded: the adapter's template
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 

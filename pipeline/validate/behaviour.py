@@ -20,6 +20,7 @@ from pathlib import Path
 from pipeline.artifacts.bounded import MIB, loads_json
 from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.artifacts.peft_model import load_peft
+from pipeline.validate.chat import render_hf
 from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, check
 
@@ -58,7 +59,7 @@ def _assistant_mask(tok, messages, tools) -> tuple[list[int], list[int]]:
     """(input ids, 1 for tokens of assistant turns) by rendering growing prefixes."""
 
     def ids(msgs):
-        text = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+        text = render_hf(tok, msgs, tools)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     full = ids(messages)
@@ -117,7 +118,7 @@ def eval_loss(model, tok, conversations: list[dict]) -> tuple[float, int]:
 
 
 def _prompt_ids(tok, msgs) -> list[int]:
-    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    text = render_hf(tok, msgs, add_generation_prompt=True)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 

@@ -39,6 +39,17 @@ def render(template: str, messages, tools=None, special: dict | None = None, **k
     return templates.render(template, variables)
 
 
+def render_hf(tok, messages, tools=None, **kwargs) -> str:
+    """`tok.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)` of a transformers
+    tokenizer, rendered in the bounded worker: the template and special tokens are the tokenizer's
+    (`get_chat_template`, `special_tokens_map`, as transformers passes them), so an adapter's template
+    runs within the bounds in `--behaviour` and `canary` too, not in this process."""
+    special = {
+        k: (v if isinstance(v, str | list) else str(v)) for k, v in (tok.special_tokens_map or {}).items()
+    }
+    return render(tok.get_chat_template(None, tools), messages, tools, special, **kwargs)
+
+
 def _token_text(v) -> str | None:
     if isinstance(v, str):
         return v

@@ -77,3 +77,32 @@ def test_named_templates_are_the_ones_transformers_picks(tiny_base, tmp_path, fo
         got = ours.render_ids(ours.template_for(tools), messages, tools, enable_thinking=True)
         assert got == list(hf(want, add_special_tokens=False)["input_ids"]), name
     assert ours.template_for(CONVERSATIONS["tool_call"][1]) != ours.template
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_render_hf_equals_transformers_and_is_bounded(tiny_base, tmp_path, name):
+    """`--behaviour` and `canary` rendered an adapter's template with transformers in their own
+    process (no bounds: tests/artifacts/test_templates.py); `render_hf` renders the same text in the
+    bounded worker."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from pipeline.artifacts.templates import TemplateRenderError
+    from pipeline.validate.chat import render_hf
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_base))
+    messages, tools = CONVERSATIONS[name]
+    for gen in (False, True):
+        want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+        assert render_hf(hf, messages, tools, add_generation_prompt=gen) == want
+    if name != "plain":
+        return
+    d = tmp_path / "tok"
+    d.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_base / f, d / f)
+    (d / "chat_template.jinja").write_text("{{ 'x' * 3000000000 }}")
+    hostile = AutoTokenizer.from_pretrained(str(d))
+    with pytest.raises(TemplateRenderError, match="needs more than 1024 MiB"):
+        render_hf(hostile, messages)
