@@ -29,7 +29,7 @@ from pipeline.errors import (
     UsageError,
 )
 from pipeline.interrupt import Interrupted
-from pipeline.redact import RedactingStream, quiet_third_party
+from pipeline.redact import RedactingStream, quiet_third_party, redact
 
 log = logging.getLogger("pipeline")
 
@@ -202,9 +202,19 @@ def report_error(exc: BaseException, code: int) -> None:
         err(str(exc))
 
 
+def _redacted_excepthook(exc_type, exc, tb) -> None:
+    """Python's report of an uncaught exception (a bug), redacted: it is printed after the command's
+    redacted streams are restored, and its message may hold a URI with its password."""
+    import traceback
+
+    sys.stderr.write(redact("".join(traceback.format_exception(exc_type, exc, tb))))
+
+
 @contextlib.contextmanager
 def redacted_output():
-    """stdout and stderr through `pipeline.redact.RedactingStream` for the `with` block."""
+    """stdout and stderr through `pipeline.redact.RedactingStream` for the `with` block; the traceback
+    of a bug, printed later by `sys.excepthook`, redacted too."""
+    sys.excepthook = _redacted_excepthook
     saved = sys.stdout, sys.stderr
     if not isinstance(sys.stdout, RedactingStream):
         sys.stdout = RedactingStream(sys.stdout)

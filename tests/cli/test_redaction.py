@@ -174,3 +174,31 @@ def test_run_params_are_redacted(monkeypatch):
     text = str(flat)
     assert TOKEN not in text and SECRET not in text and "hf_abcdefghijklmnop" not in text, flat
     assert flat["axolotl.hub"] == "postgresql://***@db/x"
+
+
+def test_the_traceback_of_a_bug_is_redacted(tmp_path):
+    """Sibling (a secret in a traceback): a bug's traceback is printed by Python after the command's
+    redacted streams are put back, and its message may hold the store's URI with the password."""
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO
+
+    child = (
+        "import sys\n"
+        "import pipeline.cli.registry as r\n"
+        "def boom(*a, **k):\n"
+        f"    raise RuntimeError('unexpected: postgresql://u:{SECRET}@127.0.0.1:1/db')\n"
+        "r.collect = boom\n"
+        "from pipeline.cli import app\n"
+        "sys.argv = ['pipeline', 'status']\n"
+        "app(prog_name='pipeline')\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "PIPELINE_CONFIG": str(write_project_config(tmp_path)),
+    }
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "Traceback" in r.stderr, r.stderr[-2000:]  # a bug still says so
+    assert SECRET not in r.stderr and "postgresql://***@127.0.0.1:1/db" in r.stderr
