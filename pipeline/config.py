@@ -26,7 +26,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from pipeline.artifacts.bounded import MIB, BoundsError, load_yaml_file
+from pipeline.artifacts.bounded import MIB, BoundsError, check_json_bounds, load_yaml_file
 from pipeline.errors import ConfigError
 from pipeline.redact import add_secret, redact_uri
 from pipeline.serving.vllm import LORA_RANKS
@@ -444,7 +444,9 @@ def _env_var_for(loc: tuple) -> str | None:
         name = ENV_PREFIX + "__".join(str(x) for x in loc[:n]).upper()
         if name in env:
             return env[name]
-    return None
+    # a variable below the location: PIPELINE_FLEET__INSTANCES__0__URL made `fleet.instances` invalid
+    below = ENV_PREFIX + "__".join(str(x) for x in loc).upper() + "__"
+    return next((env[u] for u in sorted(env) if u.startswith(below)), None)
 
 
 def _env_json_error(e: Exception) -> str:
@@ -495,6 +497,13 @@ def _check_env_names() -> None:
         v = os.environ.get(var)
         if v is not None and not v.strip().isdigit():
             raise ConfigError(f"${var}={v!r}: MLflow reads it as a whole number (>= 0); fix or unset it")
+    for var in _pipeline_env().values():  # pydantic-settings parses sections and lists as JSON, unbounded
+        value = os.environ[var]
+        if value.lstrip()[:1] in ("[", "{"):
+            try:
+                check_json_bounds(value, f"${var}", MAX_CONFIG_BYTES)
+            except BoundsError as e:
+                raise ConfigError(f"{e}: a section set from the environment is a small JSON object") from e
 
 
 def _check_uris(cfg: ProjectConfig, path: Path | None) -> None:

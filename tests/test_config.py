@@ -175,3 +175,28 @@ def test_environment_errors_reach_the_cli_without_a_traceback(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, ["config", "show"], env={"PIPELINE_FLEET": "{"})
     assert r.exit_code == 2 and "Traceback" not in r.output and "$PIPELINE_FLEET" in r.output
+
+
+def test_a_section_from_the_environment_is_bounded_json(monkeypatch, tmp_path):
+    """Sibling of issue 30 kinds 2 and 3: pydantic-settings parses `PIPELINE_FLEET='[[[…'` with an
+    unbounded json.loads (a RecursionError traceback from every command), and a 5000-digit number in it
+    gave Python's advice to call sys.set_int_max_str_digits(). A variable below a field
+    (`PIPELINE_FLEET__INSTANCES__0__URL`, which pydantic-settings does not read as a list index) is
+    named in the error of the field it broke."""
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    cfg_file = tmp_path / "pipeline.yaml"
+    cfg_file.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    for var, value, says in [
+        ("PIPELINE_FLEET", "[" * 100_000, r"\$PIPELINE_FLEET: nested 100000 levels deep"),
+        ("PIPELINE_FLEET__INSTANCES", "[" * 100_000, r"\$PIPELINE_FLEET__INSTANCES: nested 100000"),
+        ("PIPELINE_FLEET", '{"max_lora_rank": ' + "9" * 5000 + "}", r"\$PIPELINE_FLEET: a number of more"),
+        ("PIPELINE_FLEET__INSTANCES__0__URL", "http://h:1", r"fleet.instances \(from \$PIPELINE_FLEET__INST"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            with pytest.raises(ConfigError, match=says):
+                load_config(cfg_file)
+    monkeypatch.setenv("PIPELINE_FLEET", '{"max_lora_rank": 32}')
+    assert load_config(cfg_file).fleet.max_lora_rank == 32

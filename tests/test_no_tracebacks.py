@@ -177,6 +177,7 @@ def world(tmp_path_factory) -> World:
         "fifo-config": {**base, "PIPELINE_CONFIG": str(w.paths["fifo"])},
         "bignum-state": {**base, "PIPELINE_CONFIG": str(bignum_state)},
         "bignum-config": {**base, "PIPELINE_CONFIG": str(bignum_cfg)},
+        "env-deep": {**base, "PIPELINE_FLEET": DEEP},
         "env-interval": {**base, "PIPELINE_PROGRESS_INTERVAL": "abc"},
     }
     return w
@@ -194,6 +195,7 @@ CONFIGS = [
     "env-typo",
     "fifo-config",
     "bignum-config",
+    "env-deep",
 ]
 VOLUMES = ["broken-state", "binary-state", "deep-state", "link-state", "bignum-state"]
 

@@ -109,9 +109,7 @@ def check_json_text(
         raise BoundsError(f"{where}: {n} bytes, more than {_fmt(max_bytes)}")
     depth = nesting_depth(raw)
     if depth > max_depth:
-        raise BoundsError(
-            f"{where}: nested {depth} levels deep (at most {max_depth}): not a file the pipeline writes or reads"
-        )
+        raise BoundsError(f"{where}: nested {depth} levels deep (at most {max_depth})")
 
 
 def _int_parser(where: str):
