@@ -689,6 +689,8 @@ def write_project(ctx: Ctx) -> Path:
         "fleet": {
             "vllm_version": ctx.facts.get("vllm_version", "0.25.1" if ctx.gpu else "0.32.0"),
             "max_lora_rank": 16,
+            # the GPU plans start every instance with SPEC_MTP; the CPU smoke instances draft nothing
+            "speculative_mtp": bool(ctx.gpu),
             "volume_mount": ctx.facts["mount"],
             "keep_versions": 2,
             "timeout_s": 120,

@@ -3,7 +3,6 @@ override is recorded on the version."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,6 @@ def test_promote_of_a_gated_candidate_needs_force_and_is_recorded(tmp_path, monk
 
     pub = publish(cfg, "gated", version=reg.version, force=True)
     assert pub.gate_overridden and any("--force" in w for w in pub.warnings)
-    tags = registry.resolve_version(cfg, "gated", reg.version).tags
-    events = [json.loads(v) for k, v in tags.items() if k.endswith(".gate_override")]
+    mv = registry.resolve_version(cfg, "gated", reg.version)
+    events = [e for e in registry.events(mv) if e.get("type") == "gate_override"]
     assert events and events[0]["reason"].startswith("eval loss 6.89") and events[0]["forced"] is True
