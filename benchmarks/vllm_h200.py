@@ -977,6 +977,22 @@ def st_decode(ctx: Ctx) -> dict:
     return decode_table(a.url, a.model_id, f"{NAME}-v{v1}", (1, 8) if ctx.gpu else (1, 2), tokens)
 
 
+def st_mtp_check(ctx: Ctx) -> dict:
+    """vLLM's MTP acceptance on the distillation's held-out test prompts (fleet-a: the NVFP4 base with the
+    distilled bf16 `mtp.*`), next to the distillation's estimate on the same prompts (bf16 target):
+    benchmarks/mtp_acceptance.py's measurement. A gap with `target_token_agreement` well below 1 is the
+    NVFP4 target's argmax moving away from the bf16 one the layer learnt; a gap without it is a drafter
+    that does not compute what the distillation trained."""
+    import mtp_acceptance
+
+    rep = json.loads((ctx.work / "mtp.json").read_text())
+    a = ctx.engines["fleet-a"]
+    m = mtp_acceptance.measure(
+        a.url, a.model_id, rep["test_prompts"], rep["test_continuations"], len(rep["test_continuations"][0])
+    )
+    return {"engine": "fleet-a", "measured": m, "expected": rep.get("expected"), "kept": rep.get("kept")}
+
+
 def st_publish2(ctx: Ctx) -> dict:
     v1, v2 = ctx.facts["versions"][1], ctx.facts["versions"][2]
     t = time.time()
@@ -1168,8 +1184,9 @@ PLANS = {
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
         ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
         ("engines", st_engines, 30), ("canary_parity", st_canary_parity, 90), ("publish", st_publish, 60),
-        ("decode", st_decode, 60), ("publish2", st_publish2, 90), ("stale_kv", st_stale_kv, 45),
-        ("canary_served", st_canary_served, 90), ("merged", st_merged, 150), ("staging_bf16", st_staging_bf16, 90),
+        ("decode", st_decode, 60), ("mtp_check", st_mtp_check, 20), ("publish2", st_publish2, 90),
+        ("stale_kv", st_stale_kv, 45), ("canary_served", st_canary_served, 90), ("merged", st_merged, 150),
+        ("staging_bf16", st_staging_bf16, 90),
     ],
     # call 1 of a fresh machine, while the engine's bundle is still arriving: everything plan main reuses
     "prep": [
@@ -1193,7 +1210,7 @@ PLANS = {
 NEEDS = {
     "mtp": ["base"], "launch": ["base"], "served": ["launch"], "train": ["launch"], "register": ["train", "served"],
     "engines": ["served"], "canary_parity": ["register", "engines"], "publish": ["register", "engines"],
-    "decode": ["publish"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
+    "decode": ["publish"], "mtp_check": ["mtp", "engines"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
     "merged": ["train", "publish"], "staging_bf16": ["train", "register"], "sweep_start": ["served"],
     "sweep": ["sweep_start", "register"], "publish_latency": ["publish"], "prep_wait": ["launch"],
 }  # fmt: skip
@@ -1299,11 +1316,15 @@ def assemble(ctx: Ctx, done: dict[str, dict]) -> dict:
                 "agreement_random",
                 "agreement_ridge",
                 "agreement_trained",
+                "split",
+                "kept",
+                "expected",
                 "train_steps",
                 "continuations",
                 "seconds",
             )
         },  # fmt: skip
+        "mtp_check": r("mtp_check"),
         "stale_kv": r("stale_kv"),
         "release": r("publish2"),
         "merged_vs_hot": r("merged"),

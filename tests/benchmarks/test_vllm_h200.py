@@ -141,3 +141,15 @@ def test_mtp_distillation_trains_and_writes_back_only_mtp(tiny_vl_base, tmp_path
     assert len(rep["agreement_random"]) == len(rep["agreement_trained"]) == mtp_distill.STEPS
     assert rep["agreement_ridge"][0] > rep["agreement_random"][0]
     assert rep["continuations"]["sequences"] == 8 and rep["written"]
+    # held out by prompt, the estimate on the test split, the prompts to replay on an engine
+    assert (
+        rep["split"] == {"test": 2, "val": 2, "train": 4} and rep["continuations"]["distinct_sequences"] == 8
+    )
+    assert len(rep["test_prompts"]) == 2 and all(len(p) == 16 for p in rep["test_prompts"])
+    assert [len(c) for c in rep["test_continuations"]] == [12, 12]
+    e = rep["expected"]
+    assert rep["kept"] == "ridge" or rep["kept"].startswith("trained@")
+    assert e["acceptance"][0] == e["agreement"][0] and e["acceptance"] == sorted(
+        e["acceptance"], reverse=True
+    )
+    assert e["acceptance_length"] == pytest.approx(1 + sum(e["acceptance"]))
