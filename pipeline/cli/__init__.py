@@ -45,7 +45,7 @@ COMMANDS: dict[str, tuple[str, bool, str]] = {
     "canary": ("canary", False, "Parity with PEFT and spec-decode speed of an adapter on a staging vLLM."),
     "merge": ("merge", False, "Merge an adapter into the bf16 base, streamed, gated on parity."),
     "merge-parity": (
-        "merge",
+        "merge_parity",
         False,
         "Merged NVFP4 model vs its adapter hot-loaded on the NVFP4 base, on vLLM: parity gate, tok/s, MTP acceptance.",
     ),

@@ -9,15 +9,12 @@ from typing import Annotated
 
 import typer
 
-from pipeline import registry
 from pipeline.artifacts.manifest import MergeParity, read_adapter_manifest
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, project_config
+from pipeline.cli._common import JsonOption, adapter_name, emit_json, project_config
 from pipeline.errors import UsageError
 from pipeline.merge import merge_adapter, merge_and_quantize
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
 from pipeline.merge.quantize import load_calibration
-from pipeline.merge.served import MAX_LOGPROB_DIFF, MIN_AGREEMENT, ServedParityFailed, run_served_parity
-from pipeline.merge.served import record as record_served
 
 app = typer.Typer()
 
@@ -167,6 +164,8 @@ def merge(
 
 def _tag(target: dict, tags: dict[str, str], explicit: bool) -> None:
     """Put the verdict on the MLflow version; a version named only by the adapter's manifest is best effort."""
+    from pipeline import registry  # lazy: only a tagged merge pays for the registry (~0.2 s of imports)
+
     try:
         registry.set_version_tags(
             project_config(store="existing"),
@@ -178,70 +177,3 @@ def _tag(target: dict, tags: dict[str, str], explicit: bool) -> None:
         if explicit:
             raise
         typer.echo(f"warning: could not tag {target['name']} v{target['version']} in MLflow: {e}", err=True)
-
-
-@app.command("merge-parity")
-def merge_parity(
-    merged: Annotated[Path, typer.Argument(help="the `pipeline merge --quantize nvfp4` output directory")],
-    merged_url: Annotated[str, typer.Option("--merged", help="vLLM instance serving MERGED")],
-    hot_url: Annotated[
-        str | None,
-        typer.Option("--hot", help="NVFP4 base instance with runtime LoRA (default canary.staging_url)"),
-    ] = None,
-    instance_path: Annotated[
-        str | None,
-        typer.Option(help="the adapter's path as the hot instance sees it (default: the manifest's)"),
-    ] = None,
-    min_agreement: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="token agreement floor")
-    ] = MIN_AGREEMENT,
-    max_logprob_diff: Annotated[
-        float, typer.Option(min=0.0, callback=finite, help="largest logprob difference, nats")
-    ] = MAX_LOGPROB_DIFF,
-    name: Annotated[
-        str | None, typer.Option(help="registered model name to record on", callback=adapter_name)
-    ] = None,
-    version: Annotated[int | None, typer.Option(min=1, help="registered model version to record on")] = None,
-    as_json: JsonOption = False,
-):
-    """Merged NVFP4 model vs its adapter hot-loaded on the NVFP4 base, on vLLM: parity gate, tok/s, MTP acceptance.
-
-    Exit 0 within the tolerance, 1 beyond it; recorded on the model version and the merged manifest."""
-    if (name is None) != (version is None):
-        raise UsageError("give both --name and --version (or neither)")
-    cfg = project_config(store="existing") if name else None
-    rec = run_served_parity(
-        cfg or project_config(),
-        merged,
-        hot_url,
-        merged_url,
-        instance_path=instance_path,
-        min_agreement=min_agreement,
-        max_logprob_diff=max_logprob_diff,
-    )
-    target = {"name": name, "version": version} if name else rec.get("registered")
-    if target and cfg is None:
-        try:
-            cfg = project_config(store="existing")
-        except Exception as e:  # the manifest's version is best effort, as in `pipeline merge`
-            typer.echo(f"warning: cannot record on {target['name']} v{target['version']}: {e}", err=True)
-            target = None
-    record_served(cfg, rec, target)
-    p = rec["parity"]
-    if as_json:
-        emit_json(rec)
-    else:
-        for side in ("base", "hot", "merged"):
-            s = rec[side]
-            tok_s = f"{s['decode_tok_s']:.1f}" if s["decode_tok_s"] else "-"
-            acc = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
-            typer.echo(f"{side:7s} {s['engine_model']}: {tok_s} tok/s decode, MTP acceptance length {acc}")
-        typer.echo(
-            f"parity {p['verdict']}: agreement {p['agreement']:.3f} (>= {min_agreement}), max logprob diff "
-            f"{p['max_logprob_diff']:.3f} nats (<= {max_logprob_diff}), {p['identical_prompts']}/{p['prompts']} "
-            "prompts identical"
-        )
-    if p["verdict"] != "pass":
-        raise ServedParityFailed(
-            "merged model differs from the hot-loaded adapter: " + "; ".join(p["reasons"])
-        )

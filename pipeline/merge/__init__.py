@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pipeline.artifacts.adapter import WEIGHTS_FILE, load_adapter_config
 from pipeline.artifacts.atomic import fsync_dir, write_json_atomic
+from pipeline.artifacts.fingerprint import base_fingerprint
 from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.manifest import (
     MergedBase,
@@ -55,7 +56,6 @@ from pipeline.merge.write import (
     work_dir,
     write_shard,
 )
-from pipeline.train.launch import base_fingerprint
 
 __all__ = [
     "INDEX",
