@@ -5,7 +5,7 @@ and cast once to the output dtype (B [out, r], A [r, in]; embeddings: `(B @ A).T
 `get_delta_weight`). Scale: `alpha / r` or `alpha / sqrt(r)` (rsLoRA) with `rank_pattern` /
 `alpha_pattern` resolved by `AdapterConfig.scale_for` against the module's PEFT path, exactly as
 peft matches them. Every other tensor (`mtp.*`, `model.visual.*`, norms, embeddings, lm_head) is
-copied byte for byte with `copy_file_range` (no data passes through Python).
+copied byte for byte (`preadv` into the writer's staging buffers: no Python-level copy).
 
 Memory: each output shard is written as it goes (header first, then tensors in order), merged
 weights in row chunks of ~`CHUNK_BYTES` fp32, so peak RSS is the adapter plus a few chunks,
@@ -96,8 +96,7 @@ def merge_adapter(
             tensors keep their dtype and bytes.
         progress: show a rich progress bar per shard on stderr.
         hash_files: record the sha256 of every output file in the manifest (shards are hashed
-            as they are written; untouched tensors then pass through a buffer instead of
-            `copy_file_range`).
+            from the staging buffers as they are written, never read back).
         finalize: optional callable(partial_dir, manifest: MergedManifest) run before the manifest
             is written and the directory renamed (the parity gate); it may set `manifest.parity` or
             raise to abort.

@@ -1,11 +1,10 @@
 """Writing merged shards: byte-range copies of untouched tensors, chunked W + scale * B @ A for adapted ones.
 
 Where the time goes (benchmarks/merge.py, 2 cores): torch's start-up, the sha256 of every output
-byte (~1 GB/s on one core), and the arithmetic (~1.5 GB/s of bf16 per core with 16 MB chunks);
-the bytes themselves move in the kernel (`copy_file_range` for untouched tensors, the page cache
-for the source). So: the source is read in place through a mapping (no copy), untouched tensors
-are copied in the kernel even when hashing (the hash reads the source's mapping), and compute,
-write and hash run on three threads.
+byte (~1.8 GB/s on one core), and the arithmetic (~5 GB/s of bf16 per core); the bytes move in the
+kernel (`preadv` from the page cache straight into page-aligned staging buffers, `O_DIRECT` writes
+out of them). So: no Python-level copies, W is read into the buffer the merged rows are written
+from, and compute, write and hash run on three threads per shard.
 """
 
 from __future__ import annotations
@@ -84,9 +83,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-PAGE = mmap.PAGESIZE
-
-
 # -- writing ----------------------------------------------------------------------------------------
 def _header_bytes(entries: list[Entry], metadata: dict | None) -> bytes:
     header: dict = {"__metadata__": metadata} if metadata else {}
@@ -97,13 +93,6 @@ def _header_bytes(entries: list[Entry], metadata: dict | None) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data must start 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw
-
-
-def _drop(mm: mmap.mmap, start: int, end: int) -> None:
-    """Unmap pages of the source that are done (page cache keeps them): RSS stays a few chunks."""
-    lo, hi = start - start % PAGE, end - end % PAGE
-    if hi > lo:
-        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 class StagedWriter:
@@ -232,13 +221,26 @@ class StagedWriter:
         os.close(self.fd)
 
 
-def _write_merged(src: mmap.mmap, entry: Entry, a, b, advance, w: StagedWriter, device) -> None:
+def _read_into(src_fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` with the source's bytes at `offset` (`preadv`: page cache -> buffer, one kernel copy)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(src_fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"source ended {len(view) - done} bytes early")
+        done += got
+
+
+def _write_merged(src_fd: int, entry: Entry, a, b, advance, w: StagedWriter, device) -> None:
     """W + scale * (B @ A) accumulated in fp32, in row chunks, rounded once, straight into `w`'s buffers.
 
-    W is read in place from the source's mapping (`torch.frombuffer`: no copy into Python buffers,
-    pages unmapped as they are done); each chunk's result is written by `addmm(out=...)` into the
-    staging buffer (`StagedWriter.space`), which is written and hashed by the writer threads while the
-    next is computed. A row that straddles two buffers goes through a small bounce buffer.
+    When W, A, B and the output share a dtype, each chunk of W is read (`preadv`) straight into the
+    staging buffer and `addmm_` adds scale * B @ A there in place; `StagedWriter`'s threads write and
+    hash the buffer while the next chunk is computed. Otherwise W's rows are read into a scratch
+    tensor and computed in fp32. A row that straddles two staging buffers goes through a small
+    bounce buffer. Why `preadv` and not the source's mapping: reading 6 GB through a mapping cost
+    its page faults and torch's copy of W into the output (`addmm(out=)`), ~0.25 CPU-s per GB on 3
+    concurrent shards, against ~0.18 for the kernel's copy (benchmarks/merge.py, 2 cores).
     a, b: A [r, in] and B [out, r] as the adapter stores them (embedding: A [r, vocab], B [dim, r]),
     on `device`; with a GPU the chunk is computed there (host -> device, addmm, back to the buffer).
     """
@@ -247,52 +249,48 @@ def _write_merged(src: mmap.mmap, entry: Entry, a, b, advance, w: StagedWriter, 
     dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     pair = entry.pair
     rows, cols = entry.shape
-    if entry.src_offset + entry.src_nbytes > len(src):
+    if entry.src_offset + entry.src_nbytes > os.fstat(src_fd).st_size:
         raise MergeError(f"{entry.name}: the base shard ends before this tensor: it changed or is truncated")
-    w_all = torch.frombuffer(src, dtype=torch.uint8, count=entry.src_nbytes, offset=entry.src_offset)
-    w_all = w_all.view(dt[entry.src_dtype]).view(rows, cols)
-    out_dtype = dt[entry.dtype]
-    # One GEMM per chunk when W, A, B and the output share a dtype: `addmm` accumulates B @ A in fp32,
+    src_dtype, out_dtype = dt[entry.src_dtype], dt[entry.dtype]
+    # One GEMM per chunk when W, A, B and the output share a dtype: `addmm_` accumulates B @ A in fp32,
     # adds W in fp32 and rounds once (oneDNN / cuBLAS with fp32 compute), i.e. the fp32 path's result
     # without its two casting passes (benchmarks/merge.py: ~1.4x faster; 1.5e-7 of the elements
     # differ from the fp32 path by summation order, both as close to the exactly rounded value).
-    direct = a.dtype == b.dtype == w_all.dtype == out_dtype
+    direct = a.dtype == b.dtype == src_dtype == out_dtype
     on_gpu = device.type == "cuda"
-    item = torch.empty((), dtype=out_dtype).element_size()
-    out_row = cols * item
+    out_row = cols * torch.empty((), dtype=out_dtype).element_size()
+    row_bytes = cols * torch.empty((), dtype=src_dtype).element_size()
     max_rows = max(1, CHUNK_BYTES // ((2 if direct else 4) * cols))
     bounce = torch.empty(1, cols, dtype=out_dtype)
-    row_bytes = cols * w_all.element_size()
+    scratch = None if direct and not on_gpu else torch.empty(min(max_rows, rows), cols, dtype=src_dtype)
     r0 = 0
-    try:
-        while r0 < rows:
-            sp = w.space(min(max_rows, rows - r0) * out_row)
-            fits = len(sp) // out_row  # whole rows that fit in the staging buffer
-            target = (
-                torch.frombuffer(sp, dtype=out_dtype, count=fits * cols).view(fits, cols) if fits else bounce
-            )
-            n = max(fits, 1)
-            m1, m2 = (a[:, r0 : r0 + n].T, b.T) if pair.embedding else (b[r0 : r0 + n], a)
-            src_rows = w_all[r0 : r0 + n]
-            if direct and not on_gpu:
-                torch.addmm(src_rows, m1, m2, alpha=pair.scale, out=target)
-            elif direct:
-                target.copy_(torch.addmm(src_rows.to(device), m1, m2, alpha=pair.scale))
+    while r0 < rows:
+        sp = w.space(min(max_rows, rows - r0) * out_row)
+        fits = len(sp) // out_row  # whole rows that fit in the staging buffer
+        target = torch.frombuffer(sp, dtype=out_dtype, count=fits * cols).view(fits, cols) if fits else bounce
+        n = max(fits, 1)
+        m1, m2 = (a[:, r0 : r0 + n].T, b.T) if pair.embedding else (b[r0 : r0 + n], a)
+        off = entry.src_offset + r0 * row_bytes
+        if scratch is None:  # W's rows straight into the output, the product added in place
+            _read_into(src_fd, memoryview(target.view(torch.uint8).numpy()).cast("B"), off)
+            target.addmm_(m1, m2, alpha=pair.scale)
+        else:
+            w_rows = scratch[:n]
+            _read_into(src_fd, memoryview(w_rows.view(torch.uint8).numpy()).cast("B"), off)
+            if direct:
+                target.copy_(torch.addmm(w_rows.to(device), m1, m2, alpha=pair.scale))
             else:
-                x = src_rows.to(device=device, dtype=torch.float32)
+                x = w_rows.to(device=device, dtype=torch.float32)
                 x.addmm_(m1.float(), m2.float(), alpha=pair.scale)
                 target.copy_(x)
-            del target  # drops torch's export of `sp`
-            sp.release()
-            if fits:
-                w.commit(n * out_row)
-            else:  # the row straddles two staging buffers: through the bounce buffer
-                w.put(bounce.view(torch.uint8).numpy())
-            _drop(src, entry.src_offset + r0 * row_bytes, entry.src_offset + (r0 + n) * row_bytes)
-            advance(n * out_row)
-            r0 += n
-    finally:
-        del w_all  # the mapping must not be exported when the shard closes it
+        del target  # drops torch's export of `sp`
+        sp.release()
+        if fits:
+            w.commit(n * out_row)
+        else:  # the row straddles two staging buffers: through the bounce buffer
+            w.put(bounce.view(torch.uint8).numpy())
+        advance(n * out_row)
+        r0 += n
 
 
 def write_shard(
@@ -314,9 +312,6 @@ def write_shard(
     merged = []
     src_fd = os.open(plan_shard.src, os.O_RDONLY)
     try:
-        src = mmap.mmap(
-            src_fd, 0, access=mmap.ACCESS_COPY
-        )  # private + writable: torch.frombuffer; never written
         with ThreadPoolExecutor(max_workers=1) as writer, ThreadPoolExecutor(max_workers=1) as hasher:
             w = StagedWriter(dst, h, writer, hasher)
             try:
@@ -328,13 +323,12 @@ def write_shard(
                     else:
                         a = lora[e.pair.a_key].to(device=device)
                         b = lora[e.pair.b_key].to(device=device)
-                        _write_merged(src, e, a, b, advance, w, device)
+                        _write_merged(src_fd, e, a, b, advance, w, device)
                         merged.append(e.name)
             except BaseException:
                 w.abort()
                 raise
             w.close()
-        src.close()
     finally:
         os.close(src_fd)
     return merged, h.hexdigest() if h else None

@@ -213,6 +213,32 @@ def test_bad_input_exit_2(tiny_base, adapter, tmp_path, case):
     assert not list(tmp_path.glob("out.partial*"))
 
 
+def test_base_shard_truncated_after_the_checks_fails_and_leaves_nothing(
+    tiny_base, adapter, tmp_path, monkeypatch
+):
+    """A base shard cut short after the plan and validate's checks (which refuse a truncated base themselves),
+    before the write reads it with `preadv`: MergeError naming the tensor, no output, no partial directory;
+    never a shard with zeros or stale bytes where the weights were."""
+    import pipeline.merge as merge_pkg
+    from pipeline.merge.plan import MergeError
+
+    base = shutil.copytree(tiny_base, tmp_path / "base")
+    plans, real_plan, real_checks = [], merge_pkg.plan_merge, merge_pkg.merge_refusals
+    monkeypatch.setattr(merge_pkg, "plan_merge", lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[0])
+
+    def checks_then_truncate(*a, **k):
+        found = real_checks(*a, **k)
+        shard = plans[0].shards[-1]
+        last = max((e for e in shard.entries if e.pair), key=lambda e: e.src_offset)
+        os.truncate(shard.src, last.src_offset + last.src_nbytes // 2)
+        return found
+
+    monkeypatch.setattr(merge_pkg, "merge_refusals", checks_then_truncate)
+    with pytest.raises(MergeError, match="ends before this tensor"):
+        merge_adapter(adapter, base, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
 def test_crash_mid_merge_leaves_no_complete_looking_dir(tiny_vl_base, adapter, tmp_path):
     """A process killed while writing shard 2 leaves only `<out>.partial.*` without a manifest; the next
     merge to the same `--out` removes it (sibling of issue 30 kind 7: the killed merge's gigabytes stayed
