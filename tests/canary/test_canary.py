@@ -21,7 +21,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tests.support.fleet_server import VllmServer, fleet_env_available
+from tests.support.fleet_server import VllmServer, fleet_env_available, fleet_vllm_version
 from tests.support.helpers import REPO, peft_adapter, write_project_config
 
 pytestmark = [
@@ -106,7 +106,8 @@ def staging(tmp_path_factory):
         cfg_path = write_project_config(
             root,
             served={"model": str(base), "checkpoint": "tiny-qwen3", "revision": "r1"},
-            fleet={"lora_target_modules": TARGETS},
+            # the staging engine's own version: its --lora-target-modules rule (PEFT names, 0.20+) is the one applied
+            fleet={"lora_target_modules": TARGETS, "vllm_version": fleet_vllm_version()},
             canary={"staging_url": server.url, "prompts": 5, "max_tokens": 12},
         )
         ns.cfg_path, ns.cfg = cfg_path, load_config(cfg_path)
@@ -208,6 +209,8 @@ def register(staging, d: Path, name: str, i: int) -> int:
     from pipeline.validate import FleetRules, validate_adapter
 
     d = with_manifest(Path(shutil.copytree(d, staging.root / f"reg-{name}-{i}")), staging.base)
+    # no fleet profile: `outside` is registered although validate against the fleet refuses it
+    # (keys.fleet_targets), so that the canary's own detection of it is what is tested
     rep = validate_adapter(d, staging.base, FleetRules())
     assert rep.passed, rep.to_dict()
     return register_adapter(staging.cfg, d, name, rep.to_dict()).version

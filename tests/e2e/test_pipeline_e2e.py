@@ -7,6 +7,8 @@ import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from pipeline.artifacts.manifest import read_manifest, verify_files
 from tests.support.helpers import REPO
@@ -56,17 +58,26 @@ def test_validate_register_publish(trained, tiny_base, monkeypatch):
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     pub = publish(cfg, "agent-tools", alias="candidate")
     assert pub.created and pub.path == cfg.volume.path / f"agent-tools-v{reg.version}"
-    # byte-identical to the registered artifact, except the rewritten base name
+    # the registered artifact, except what publish records in `normalised`: the base name, and (vLLM 0.19
+    # serves qwen3_5 only through Qwen3_5ForConditionalGeneration) the text-layout keys renamed into
+    # model.language_model.layers.N with every tensor's bytes unchanged
+    man = read_manifest(pub.path)
+    layout = man.normalised["layout"]
+    assert layout["from"] == "model.layers.N" and layout["to"] == "model.language_model.layers.N"
     for name in res.manifest.files:
-        if name != "adapter_config.json":
+        if name not in ("adapter_config.json", "adapter_model.safetensors"):
             assert (pub.path / name).read_bytes() == (res.adapter_dir / name).read_bytes()
+    before = load_file(res.adapter_dir / "adapter_model.safetensors")
+    after = load_file(pub.path / "adapter_model.safetensors")
+    renamed = {k.replace(".model.layers.", ".model.language_model.layers."): v for k, v in before.items()}
+    assert renamed.keys() == after.keys() and len(after) == layout["tensors"]
+    assert all(torch.equal(after[k], v) for k, v in renamed.items())
     acfg = json.loads((pub.path / "adapter_config.json").read_text())
     assert acfg["base_model_name_or_path"] == cfg.served.model
     orig = json.loads((res.adapter_dir / "adapter_config.json").read_text())
     assert {k: v for k, v in acfg.items() if k != "base_model_name_or_path"} == {
         k: v for k, v in orig.items() if k != "base_model_name_or_path"
-    }
-    man = read_manifest(pub.path)
+    }  # target_modules are module names (q_proj...): the same in both layouts
     assert man.published.original_base_model_name_or_path == orig["base_model_name_or_path"]
     assert verify_files(pub.path, man.files) == []
     assert not (cfg.volume.path / ".staging").exists()  # removed once empty: no debris on the volume
