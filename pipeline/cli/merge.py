@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import gc
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -86,12 +84,6 @@ def merge(
     Merge ADAPTER into --base, writing --out atomically. Exit 0 ok, 1 mismatch/parity failed, 2 bad input."""
     if (name is None) != (version is None):
         raise UsageError("give both --name and --version (or neither)")
-    # At exit CPython runs one last full collection over every object alive, ~1M after torch's
-    # import: ~0.4 s of a merge's wall time on 2 cores (benchmarks/merge.py). Frozen objects are
-    # skipped; atexit handlers registered later (logging, mlflow) run before this one. Everything
-    # merge writes is closed and fsynced before the command returns, so nothing waits on a finalizer.
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
     target = {"name": name, "version": version} if name else None
     if target is None:
         try:
