@@ -42,7 +42,7 @@ SHIP_EVENTS = ("publish", "rollback")
 _SUMMARY_PREFIX = {"publish": "published"}
 
 
-_SUMMARY_FIELDS = ("time", "path", "instances", "from_version", "to_version")
+_SUMMARY_FIELDS = ("time", "stamp", "path", "instances", "from_version", "to_version")
 
 
 def record_event(cfg: ProjectConfig, name: str, version: int, event: dict, txn: str | None = None) -> dict:
@@ -58,7 +58,7 @@ def record_event(cfg: ProjectConfig, name: str, version: int, event: dict, txn: 
 
     Stored as model-version tags, so the version page shows them and `search_model_versions`
     can filter on them:
-      - `<type>.<field>` for time/path/instances/from_version/to_version (latest of that type;
+      - `<type>.<field>` for time/stamp/path/instances/from_version/to_version (latest of that type;
         type `publish` uses `published.`, matching `pipeline.release.publish`). Lists are joined
         with ","; written first;
       - `events`: the version's history, a JSON list oldest first (the newest within

@@ -47,12 +47,18 @@ PROMOTE_NOTE = (
 
 def published_path(tags: dict[str, str]) -> str | None:
     """Where the version is on the volume now: `published.path`, unless `fleet prune` deleted it since
-    (its `pruned` event is newer than the last publish; both times are record_event's UTC ISO-8601)."""
+    (its `pruned` event is newer than the last publish). Ordered by record_event's `stamp` (UTC to the
+    microsecond); `time` (to the second) only for versions recorded before stamps were kept: a publish
+    in the same second as a prune was reported as pruned."""
     path = tags.get("published.path")
-    pruned = tags.get("pruned.time")
-    if path and pruned and pruned >= (tags.get("published.time") or ""):
+    if not path:
         return None
-    return path or None
+    if tags.get("pruned.stamp") and tags.get("published.stamp"):
+        return None if tags["pruned.stamp"] >= tags["published.stamp"] else path
+    pruned = tags.get("pruned.time")
+    if pruned and pruned >= (tags.get("published.time") or ""):
+        return None
+    return path
 
 
 def headline(tags: dict[str, str]) -> str:

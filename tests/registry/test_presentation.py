@@ -114,3 +114,27 @@ def test_the_events_tag_stays_bounded():
     items = [{"type": "rollout", "id": f"{i:012d}", "instances": ["i"] * 20} for i in range(500)]
     text = _bounded(items)
     assert len(text) <= MAX_EVENTS_CHARS and json.loads(text)[-1]["id"] == f"{499:012d}"
+
+
+def test_a_publish_in_the_same_second_as_a_prune_is_published():
+    """test_kills' prune-then-publish failed 2 runs in 3 under load: both events' `time` fall in one
+    second and `pruned.time >= published.time` called the re-published version pruned. The order is
+    the microsecond `stamp`; `time` only for tags written before stamps were kept."""
+    from pipeline.registry.presentation import published_path
+
+    same = "2026-12-01T10:00:00+00:00"
+    tags = {"published.path": "/v/a-v1", "published.time": same, "pruned.time": same}
+    assert published_path(tags) is None  # no stamps: the second decides, as before
+    assert (
+        published_path(
+            tags | {"pruned.stamp": "20261201T100000.100000Z", "published.stamp": "20261201T100000.200000Z"}
+        )
+        == "/v/a-v1"
+    )
+    assert (
+        published_path(
+            tags | {"pruned.stamp": "20261201T100000.300000Z", "published.stamp": "20261201T100000.200000Z"}
+        )
+        is None
+    )
+    assert published_path({"pruned.time": same}) is None
