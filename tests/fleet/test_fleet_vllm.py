@@ -651,3 +651,34 @@ def test_publish_latency_benchmark_measures_one_publish(fleet):
     assert 0 < res.before_rollout[0] < res.total[0] and 0 < res.in_rollout[0] < res.total[0]
     text = publish_latency.table(res, "smoke")
     assert "whole publish() call" in text and "failed publishes / loads: 0" in text
+
+
+# -- benchmarks/mtp_acceptance.py's engine half on these instances (its distillation and graft: test_mtp_distill) --
+def test_mtp_acceptance_measure_on_instances_that_draft_nothing(fleet):
+    """Issue 26: every benchmark's smoke runs in the suite. mtp_acceptance's own smoke starts a CPU engine with
+    qwen3_5_mtp (~85 s); its `measure` (greedy requests, /metrics deltas, token agreement) and `table` run
+    here on an instance without a drafter: no drafts counted, no acceptance invented, and the tokens agree
+    with the same engine's greedy continuations."""
+    import sys
+
+    from tests.support.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mtp_acceptance
+
+    a = fleet.servers["a"]
+    model = str(Path(fleet.base).resolve())
+    prompts = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26]]
+    cont = []
+    for p in prompts:
+        body = {"model": model, "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+        toks = httpx.post(f"{a.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+        cont.append([int(t.split(":", 1)[1]) for t in toks["tokens"]])
+    m = mtp_acceptance.measure(a.url, model, prompts, cont, 4)
+    assert m["drafts"] == 0 and m["accepted"] == 0 and m["acceptance_length"] is None, m
+    assert m["target_token_agreement"] == 1.0, (m, cont)
+    est = {"acceptance": [0.5, 0.25, 0.125], "acceptance_length": 1.875}
+    text = mtp_acceptance.table({"distill": {"random": est, "ridge": est, "kept": "trained", "expected": est},
+                                 "served": {"fleet-a": m}})  # fmt: skip
+    assert "| vLLM: fleet-a | - | - | - | - |" in text and "| estimate: kept (trained) | 0.500" in text
