@@ -39,19 +39,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = "pipeline.train.axolotl_plugin.PipelinePlugin"
-SMOKE_SETS = [  # no Triton kernels on CPU (axolotl_h200.CPU)
-    "model_type=AutoModelForCausalLM",
-    "liger_fused_linear_cross_entropy=false",
-    "bf16=false",
-    "tf32=false",
-    "liger_rms_norm=false",
-    "liger_rms_norm_gated=false",
-    "liger_glu_activation=false",
-    "lora_mlp_kernel=false",
-    "lora_qkv_kernel=false",
-    "lora_o_kernel=false",
-    f"plugins=[{PLUGIN}]",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from axolotl_h200 import CPU  # noqa: E402  (the CPU smoke overrides: no Triton kernels)
+
+SMOKE_SETS = [*CPU, f"plugins=[{PLUGIN}]"]
 
 
 def _logit_rel_diffs(logits, ref_logits: list, bounds) -> list[float]:
