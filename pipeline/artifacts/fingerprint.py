@@ -9,7 +9,10 @@ Computed here and only here, from three parts:
   (which passes an absolute `base_model` and `dataset_prepared_path`) and `pipeline run` on the
   same YAML from the project root agree;
 - the base identity: a local base directory by the sha256 of its config and safetensors
-  headers (its path does not matter), a hub base by id and pinned revision.
+  headers (its path does not matter), a hub base by id and pinned revision;
+- the tokenizer's bytes: its files in `tokenizer_config` or the local base directory (the chat
+  template decides every token the adapter is trained on; a base whose template was fixed in place
+  has the same headers). A hub tokenizer adds nothing (its revision is in the base identity).
 
 `pipeline train` writes all three and the result into the manifest (`inputs`); every
 registration (`pipeline register`, `pipeline run`, `pipeline demo`) copies the result to the
@@ -101,6 +104,32 @@ def base_fingerprint(base: str) -> str | None:
     return h.hexdigest()
 
 
+# Tokenizer and chat-template files of a local base (what transformers' AutoTokenizer reads).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def tokenizer_digest(path: str) -> str | None:
+    """Hex sha256 over the tokenizer files (name and bytes) of a local directory; None for a hub id."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (p / name).is_file():
+            h.update(name.encode() + b"\0" + (p / name).read_bytes())
+    return h.hexdigest()
+
+
 def base_identity(model: str | None, revision: str | None, fingerprint: str | None) -> dict:
     """What identifies the base: its local fingerprint, else the hub id and pinned revision."""
     if fingerprint:
@@ -108,12 +137,16 @@ def base_identity(model: str | None, revision: str | None, fingerprint: str | No
     return {"id": str(model), "revision": revision}
 
 
-def inputs_fingerprint(dataset_fingerprint: str, config_sha256: str, base: dict) -> str:
-    """Hex sha256 of the inputs that determine the adapter (see the module docstring)."""
-    payload = json.dumps(
-        {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}, sort_keys=True
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
+def inputs_fingerprint(
+    dataset_fingerprint: str, config_sha256: str, base: dict, tokenizer: str | None = None
+) -> str:
+    """Hex sha256 of the inputs that determine the adapter (see the module docstring). Without a
+    tokenizer digest (a hub tokenizer, a manifest from before it was recorded) the value is the one
+    the three other parts always gave."""
+    parts = {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}
+    if tokenizer:
+        parts["tokenizer"] = tokenizer
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def training_inputs(dataset_fingerprint: str, config: dict) -> dict:
@@ -124,11 +157,13 @@ def training_inputs(dataset_fingerprint: str, config: dict) -> dict:
     )
     ident = base_identity(base, revision, base_fingerprint(base))
     cfg_sha = config_inputs_sha256(config)
+    tok = tokenizer_digest(str(config.get("tokenizer_config") or base))
     return {
         "dataset_fingerprint": dataset_fingerprint,
         "config_inputs_sha256": cfg_sha,
         "base": ident,
-        "fingerprint": inputs_fingerprint(dataset_fingerprint, cfg_sha, ident),
+        "tokenizer_sha256": tok,
+        "fingerprint": inputs_fingerprint(dataset_fingerprint, cfg_sha, ident, tok),
     }
 
 

@@ -108,6 +108,7 @@ class TrainingInputs(_Record):
     dataset_fingerprint: str | None = None
     config_inputs_sha256: str | None = None
     base: dict[str, Any] | None = None
+    tokenizer_sha256: str | None = None
     fingerprint: str | None = None
 
 

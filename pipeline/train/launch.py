@@ -68,6 +68,7 @@ from pipeline.train.gate import (
 from pipeline.train.metrics import read_metrics, summarise
 from pipeline.train.passthrough import split_passthrough
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
+from pipeline.train.prepared import KEEP, prepared_key, prepared_root, prune, write_prepared
 from pipeline.train.progress import follow_progress, progress_interval, progress_mode
 from pipeline.train.schema import PLUGIN, check_axolotl_schema
 from pipeline.train.strategy import Choice, apply_choice, choose
@@ -255,9 +256,10 @@ def check_inputs(
     return report
 
 
-def axolotl_view(tc: TrainingConfig) -> dict:
+def axolotl_view(tc: TrainingConfig, prepared: Path | None = None) -> dict:
     """The config as axolotl will read it, minus the run's own settings: absolute paths, the
-    pipeline's plugin, `revision_of_model` from `base_model_revision`."""
+    pipeline's plugin, `revision_of_model` from `base_model_revision`; `prepared`: the run's keyed
+    `dataset_prepared_path` (pipeline.train.prepared)."""
     d = json.loads(json.dumps(tc.data))
     for key in ("datasets", "test_datasets"):
         for ds in d.get(key) or []:
@@ -269,15 +271,17 @@ def axolotl_view(tc: TrainingConfig) -> dict:
     rev = d.get("base_model_revision")
     if rev and not (d.get("revision_of_model") or d.get("model_revision")):
         d["revision_of_model"] = rev
-    if d.get("dataset_prepared_path"):
+    if prepared is not None:
+        d["dataset_prepared_path"] = str(prepared)
+    elif d.get("dataset_prepared_path"):
         d["dataset_prepared_path"] = str(Path(d["dataset_prepared_path"]).resolve())
     d["plugins"] = list(dict.fromkeys([*(d.get("plugins") or []), PLUGIN]))
     return d
 
 
-def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig) -> dict:
+def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig, prepared: Path | None = None) -> dict:
     """The config axolotl will run: `axolotl_view` plus our output_dir and MLflow settings."""
-    d = axolotl_view(tc)
+    d = axolotl_view(tc, prepared)
     d["output_dir"] = str(run_dir / "output")
     d["use_mlflow"] = True
     # The tracking URI reaches the trainer through its environment ($MLFLOW_TRACKING_URI, which
@@ -346,6 +350,22 @@ def launcher_command(
     return cmd
 
 
+def prepare_datasets(tc: TrainingConfig, state_dir: Path, dataset_fingerprint: str) -> Path:
+    """The run's keyed `dataset_prepared_path`, with axolotl's prepared datasets written there
+    (pipeline.train.prepared); when they cannot be written here (the base's tokenizer is not
+    readable, a hub id not cached offline) the trainer prepares them itself, in the same keyed place."""
+    root = prepared_root(tc.data, state_dir)
+    keyed = root / prepared_key(dataset_fingerprint, tc.data)
+    try:
+        write_prepared(axolotl_view(tc, keyed))
+    except (OSError, ValueError) as e:
+        log.warning("the trainer prepares the datasets itself (%s)", str(e).splitlines()[0] if str(e) else e)
+    else:
+        for gone in prune(root, keyed):
+            log.debug("removed the prepared datasets %s (older than the newest %d)", gone, KEEP)
+    return keyed
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete `checkpoint-N` under axolotl's output_dir, or None.
 
@@ -407,7 +427,7 @@ def train(
     if (run_dir / "adapter" / MANIFEST).exists():
         raise PipelineError(f"{run_dir} already holds a finished adapter; use another run directory")
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = resolve(tc, run_dir, cfg)
+    resolved = resolve(tc, run_dir, cfg, prepare_datasets(tc, cfg.state_dir, ds_report.fingerprint))
     resume = latest_checkpoint(run_dir / "output")
     if resume is not None:
         # An interrupted run with the same inputs: axolotl/HF Trainer resume (optimizer, scheduler, RNG, step).

@@ -54,6 +54,34 @@ def test_what_changes_the_weights_changes_the_fingerprint(tmp_path, monkeypatch,
         assert training_inputs("d" * 64, load_training_config(TINY, [same]).data)["fingerprint"] == fp, same
 
 
+def test_the_tokenizer_and_its_chat_template_change_the_fingerprint(tmp_path, monkeypatch, tiny_base):
+    """A base whose chat template was fixed in place has the same config and safetensors headers: the
+    fingerprint stayed, and `pipeline run` skipped the retrain on the new template. Sibling: a separate
+    `tokenizer_config` directory, a location key whose bytes counted nowhere."""
+    import json
+
+    base = tmp_path / ".state" / "tiny-base"
+    shutil.copytree(tiny_base, base)
+    monkeypatch.chdir(tmp_path)
+    fp = training_inputs("d" * 64, load_training_config(TINY).data)
+    assert fp["tokenizer_sha256"] and len(fp["tokenizer_sha256"]) == 64
+    tok_cfg = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": "{{ messages }}"}))
+    changed = training_inputs("d" * 64, load_training_config(TINY).data)
+    assert changed["base"] == fp["base"] and changed["fingerprint"] != fp["fingerprint"]
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_base, tok)
+    with_tok = training_inputs("d" * 64, load_training_config(TINY, [f"tokenizer_config={tok}"]).data)
+    assert with_tok["fingerprint"] == fp["fingerprint"]  # the same bytes elsewhere: the same inputs
+    (tok / "tokenizer.json").write_text(
+        (tok / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|im_stop|>"')
+    )
+    assert (
+        training_inputs("d" * 64, load_training_config(TINY, [f"tokenizer_config={tok}"]).data)["fingerprint"]
+        != fp["fingerprint"]
+    )
+
+
 def test_every_registration_tags_the_manifest_fingerprint(tmp_path):
     """`register_adapter` (used by `pipeline register`, `demo` and `run`) tags `run.fingerprint`."""
     cfg = load_config(None)
