@@ -513,8 +513,27 @@ def check_datasets(
             if stats.conversations == 0 and not any(f.where.startswith(str(path)) for f in report.errors):
                 report.findings.append(_error(str(path), "no conversations", id="dataset.empty"))
             report.files.append(stats)
-    h = hashlib.sha256()
-    for s in sorted(report.files, key=lambda s: (s.role, s.sha256)):
-        h.update(f"{s.role}:{s.sha256}\n".encode())
-    report.fingerprint = h.hexdigest()
+    report.fingerprint = combined_fingerprint([(s.role, s.sha256) for s in report.files])
     return report
+
+
+def combined_fingerprint(files: Iterable[tuple[str, str]]) -> str:
+    """The dataset fingerprint (module docstring) of (role, file sha256) pairs."""
+    h = hashlib.sha256()
+    for role, sha in sorted(files):
+        h.update(f"{role}:{sha}\n".encode())
+    return h.hexdigest()
+
+
+def files_fingerprint(train: list[Path], validation: list[Path] = ()) -> str | None:
+    """The fingerprint `check_datasets` would report for these files, from their bytes alone (nothing
+    parsed); None when one is not a readable file (the checks then say which and why)."""
+    try:
+        pairs = [
+            (role, sha256_file(Path(p)))
+            for role, ps in (("train", train), ("validation", validation))
+            for p in ps
+        ]
+    except OSError:
+        return None
+    return combined_fingerprint(pairs)

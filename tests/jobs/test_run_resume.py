@@ -56,7 +56,41 @@ def test_killed_between_register_and_publish_is_published_by_the_next_run(setup,
     assert (out.status, out.version) == ("published", reg.version)
     assert registry.alias_version(cfg, "resume", "production") == reg.version
     out = run(cfg, TINY, name="resume", overrides=sets)  # now it is shipped
-    assert (out.status, out.version) == ("skipped", reg.version)
+    assert (out.status, out.version, out.fingerprint) == ("skipped", reg.version, fp)
+
+
+def test_unchanged_inputs_skip_before_the_checks_and_a_changed_byte_runs_them(
+    setup, release_adapters, monkeypatch, tmp_path
+):
+    """A nightly run with nothing new ran every check and axolotl's dataset gate (its import, a tokenization
+    of every row: 9-10 s of a no-op run on the tiny data, minutes on a real dataset) only to skip. The
+    files' bytes decide now; the checks run when a byte changed."""
+    cfg, sets, fp = setup
+    adapter, report = release_adapters[0]
+    reg = registry.register_adapter(cfg, adapter, "nightly", report)
+    registry.set_version_tags(cfg, "nightly", reg.version, {FINGERPRINT_TAG: fp})
+    assert run(cfg, TINY, name="nightly", overrides=sets).status == "published"
+
+    class Checked(Exception):
+        pass
+
+    def checks(*a, **k):
+        raise Checked
+
+    monkeypatch.setattr(run_mod, "check_inputs", checks)
+    out = run(cfg, TINY, name="nightly", overrides=sets)
+    assert (out.status, out.version, out.fingerprint) == ("skipped", reg.version, fp)
+    with pytest.raises(Checked):  # --force retrains: checked first
+        run(cfg, TINY, name="nightly", overrides=sets, force=True)
+    changed = tmp_path / "train.jsonl"
+    changed.write_bytes((REPO / "datasets/agent_chat_train.jsonl").read_bytes() + b"\n")
+    with pytest.raises(Checked):
+        run(
+            cfg,
+            TINY,
+            name="nightly",
+            overrides=[*sets, sets[1].replace(str(REPO / "datasets/agent_chat_train.jsonl"), str(changed))],
+        )
 
 
 def test_a_gated_candidate_is_gated_again_not_skipped(setup, release_adapters):
