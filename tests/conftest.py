@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import REPO, write_project_config
+from tests.support.helpers import REPO, tiny_base_dir, write_project_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
@@ -17,18 +17,29 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PIPELINE_CONFIG", None)
 
 
+def pytest_collection_finish(session):
+    """Start the vLLM instances of the selected modules now, so that they boot while earlier tests run
+    (tests/support/prestart.py)."""
+    from tests.support import prestart
+
+    files = list(dict.fromkeys(str(Path(item.path).resolve()) for item in session.items))  # in run order
+    prestart.start_planned(files, session.config._tmp_path_factory)
+
+
+def pytest_sessionfinish(session):
+    from tests.support import prestart
+
+    prestart.stop_untaken()
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
-    from pipeline.dev.tinybase import build_tiny_base
-
-    return build_tiny_base(tmp_path_factory.mktemp("base") / "tiny-base")
+    return tiny_base_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def tiny_vl_base(tmp_path_factory) -> Path:
-    from pipeline.dev.tinybase import build_tiny_base
-
-    return build_tiny_base(tmp_path_factory.mktemp("base-vl") / "tiny-base-vl", layout="vl")
+    return tiny_base_dir(tmp_path_factory, layout="vl")
 
 
 @pytest.fixture()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from tests.support import prestart
 from tests.support.fleet_server import VllmServer, fleet_env_available, fleet_vllm_version
 from tests.support.helpers import REPO, peft_adapter, write_project_config
 
@@ -71,28 +72,26 @@ def with_manifest(d: Path, base: Path) -> Path:
     return d
 
 
+def _staging_instance(root: Path, factory) -> list[VllmServer]:
+    """The staging instance on a tiny Qwen3 built under `root` (started early: tests/support/prestart.py)."""
+    extra = ["--dtype", "float32", "--max-model-len", "2048", "--speculative-config", json.dumps(SPEC)]
+    return [
+        VllmServer(
+            tiny_qwen3(root / "base"), root, "staging", extra_args=[*extra, "--lora-target-modules", *TARGETS]
+        )
+    ]
+
+
+prestart.plan("canary", __file__, _staging_instance)
+
+
 @pytest.fixture(scope="module")
 def staging(tmp_path_factory):
     """The staging instance, three adapters (good, r mismatch, outside the targets) and a project."""
     from pipeline.config import load_config
 
-    root = tmp_path_factory.mktemp("canary")
-    base = tiny_qwen3(root / "base")
-    server = VllmServer(
-        base,
-        root,
-        "staging",
-        extra_args=[
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "2048",
-            "--speculative-config",
-            json.dumps(SPEC),
-            "--lora-target-modules",
-            *TARGETS,
-        ],
-    ).start()
+    root, (server,) = prestart.take("canary", tmp_path_factory)
+    base = Path(server.model)
     try:
         ns = type("Staging", (), {})()
         ns.server, ns.base, ns.root = server, base, root

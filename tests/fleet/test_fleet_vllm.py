@@ -26,8 +26,9 @@ from typer.testing import CliRunner
 
 from pipeline import registry
 from pipeline.fleet.client import InstanceClient
+from tests.support import prestart
 from tests.support.fleet_server import VllmServer, cpu_fleet_env, fleet_env_available, fleet_vllm_version
-from tests.support.helpers import peft_adapter, write_project_config
+from tests.support.helpers import peft_adapter, tiny_base_dir, write_project_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,13 +39,20 @@ pytestmark = [
 PROMPT = "The quick brown fox"
 
 
+def _instances(root: Path, factory) -> list[VllmServer]:
+    """Instances a and b of the tiny base, each on its own core (started early: tests/support/prestart.py)."""
+    return [VllmServer(tiny_base_dir(factory), root, n, **cpu_fleet_env(i)) for i, n in enumerate("ab")]
+
+
+prestart.plan("fleet", __file__, _instances)
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_base):
     """Two running instances + a project whose fleet section points at them; yields a namespace."""
     from pipeline.config import load_config
 
-    root = tmp_path_factory.mktemp("fleet")
-    servers = [VllmServer(tiny_base, root, n, **cpu_fleet_env(i)).start() for i, n in enumerate("ab")]
+    root, servers = prestart.take("fleet", tmp_path_factory)
     volume = (root / "volume").resolve()
     cfg_path = write_project_config(
         root,

@@ -22,6 +22,19 @@ DEFAULT_TARGETS = [
     "out_proj",
 ]
 
+_BASES: dict[str, Path] = {}
+
+
+def tiny_base_dir(factory, layout: str = "text") -> Path:
+    """The session's tiny Qwen3.5 base of `layout` ("text" or "vl"), built once under `factory` (pytest's
+    TempPathFactory): the `tiny_base`/`tiny_vl_base` fixtures and the early-started instances share it."""
+    from pipeline.dev.tinybase import build_tiny_base
+
+    if layout not in _BASES:
+        name = "tiny-base" if layout == "text" else "tiny-base-vl"
+        _BASES[layout] = build_tiny_base(factory.mktemp(name) / name, layout=layout)
+    return _BASES[layout]
+
 
 def peft_adapter(
     base_dir: Path,

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import prestart
 from tests.support.fleet_server import VllmServer, fleet_env_available
-from tests.support.helpers import peft_adapter
+from tests.support.helpers import peft_adapter, tiny_base_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,22 +45,11 @@ def _load(server, name: str, path: Path) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_text_layout_keys_never_apply_on_the_vl_class_and_the_renamed_copy_does(
-    tiny_base, tiny_vl_base, tmp_path
-):
-    from pipeline.artifacts.normalise import normalise_for_serving
-    from pipeline.serving.versions import VL_CLASS, rules_for
-    from pipeline.validate import FleetRules, validate_adapter
-
-    text = peft_adapter(tiny_base, tmp_path / "text", r=8, alpha=16, b_std=0.5, seed=3)
-    rep = validate_adapter(text, tiny_vl_base, FleetRules(served_path=tiny_vl_base, vllm_version="0.32.0"))
-    assert "keys.served_layout" in {c.id for c in rep.checks}
-    fixed = Path(shutil.copytree(text, tmp_path / "fixed"))
-    assert normalise_for_serving(fixed, VL_CLASS, rules_for("0.32.0"))["layout"]
-
+def _vl_instance(root: Path, factory) -> list[VllmServer]:
+    """The tiny VL base served text-only (started early: tests/support/prestart.py)."""
     # The checkpoint as vLLM serves it text-only: `--language-model-only` skips the (stub) vision tower; the
     # processor files the multimodal front end reads are the Qwen-VL defaults.
-    served = Path(shutil.copytree(tiny_vl_base, tmp_path / "served-vl"))
+    served = Path(shutil.copytree(tiny_base_dir(factory, layout="vl"), root / "served-vl"))
     image = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "patch_size": 16,
@@ -78,7 +68,26 @@ def test_text_layout_keys_never_apply_on_the_vl_class_and_the_renamed_copy_does(
     (served / "video_preprocessor_config.json").write_text(
         json.dumps({**image, "video_processor_type": "Qwen3VLVideoProcessor"})
     )
-    server = VllmServer(served, tmp_path, "vl", extra_args=["--language-model-only"]).start()
+    return [VllmServer(served, root, "vl", extra_args=["--language-model-only"])]
+
+
+prestart.plan("served-vl", __file__, _vl_instance)
+
+
+def test_text_layout_keys_never_apply_on_the_vl_class_and_the_renamed_copy_does(
+    tiny_base, tiny_vl_base, tmp_path, tmp_path_factory
+):
+    from pipeline.artifacts.normalise import normalise_for_serving
+    from pipeline.serving.versions import VL_CLASS, rules_for
+    from pipeline.validate import FleetRules, validate_adapter
+
+    text = peft_adapter(tiny_base, tmp_path / "text", r=8, alpha=16, b_std=0.5, seed=3)
+    rep = validate_adapter(text, tiny_vl_base, FleetRules(served_path=tiny_vl_base, vllm_version="0.32.0"))
+    assert "keys.served_layout" in {c.id for c in rep.checks}
+    fixed = Path(shutil.copytree(text, tmp_path / "fixed"))
+    assert normalise_for_serving(fixed, VL_CLASS, rules_for("0.32.0"))["layout"]
+
+    _, (server,) = prestart.take("served-vl", tmp_path_factory)
     try:
         try:
             server.wait_ready(300)
