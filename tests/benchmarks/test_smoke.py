@@ -3,7 +3,7 @@
 `benchmarks/publish_latency.py` patched `pipeline.release.publish.rollout`, which had moved, and its
 recorded figures came from before the move: nothing ran it. Now each benchmark has a smoke mode
 (tiny sizes, seconds) that a test below runs as the benchmark's own process (`python
-benchmarks/X.py --smoke`), so a refactor that breaks one fails here. Benchmarks that need running
+benchmarks/X.py --smoke`, two at a time: `smokes`), so a refactor that breaks one fails here. Benchmarks that need running
 instances or a training get theirs where those already are (`ELSEWHERE`).
 `test_every_benchmark_has_a_smoke` fails when a benchmark is added without one.
 """
@@ -14,6 +14,7 @@ import ast
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -51,48 +52,74 @@ def smoke(name: str, *args: str, timeout: float = 300, mode: str = "--smoke") ->
     return r.stdout
 
 
-def test_geometry_derives_the_published_shapes():
-    out = smoke("qwen36_27b")
+@pytest.fixture(scope="module")
+def smokes(tmp_path_factory) -> dict[str, Future]:
+    """Every smoke below started at once, two processes at a time, the longest first; name -> its Future
+    (`.result()`: the output, or the AssertionError of a failed run). Each is one process that keeps
+    about one core busy: one after another they took ~95 s of the suite (issue 26 item 6)."""
+    work = tmp_path_factory.mktemp("smokes")
+    for d in ("merge", "axolotl", "throughput"):
+        (work / d).mkdir()
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="smoke")
+    runs = {
+        "cli_latency": pool.submit(smoke, "cli_latency"),
+        "train_throughput": pool.submit(
+            smoke, "train_throughput", "--out", str(work / "throughput" / "tt.json")
+        ),
+        "axolotl_h200": pool.submit(smoke, "axolotl_h200", "--work", str(work / "axolotl"), mode="smoke"),
+        "packing_check": pool.submit(smoke, "packing_check"),
+        "recompute_sweep": pool.submit(smoke, "recompute_sweep"),
+        "validate_static": pool.submit(smoke, "validate_static"),
+        "merge": pool.submit(smoke, "merge", "--workdir", str(work / "merge")),
+        "qwen36_27b": pool.submit(smoke, "qwen36_27b"),
+    }
+    runs["work"] = work
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_geometry_derives_the_published_shapes(smokes):
+    out = smokes["qwen36_27b"].result()
     assert "equal the published table" in out
 
 
-def test_validate_static_smoke(tmp_path):
-    out = smoke("validate_static")
+def test_validate_static_smoke(smokes):
+    out = smokes["validate_static"].result()
     assert "verdict pass" in out and "| validate: + served NVFP4 headers |" in out
 
 
-def test_merge_smoke(tmp_path):
-    out = smoke("merge", "--workdir", str(tmp_path))
+def test_merge_smoke(smokes):
+    out = smokes["merge"].result()
     assert "merge --no-hash" in out and "peak RSS" in out
-    assert not list(tmp_path.iterdir())  # the work directory is removed
+    assert not list((smokes["work"] / "merge").iterdir())  # the work directory is removed
 
 
-def test_train_throughput_smoke(tmp_path):
-    out = smoke("train_throughput", "--out", str(tmp_path / "tt.json"))
+def test_train_throughput_smoke(smokes):
+    out = smokes["train_throughput"].result()
     assert "baseline" in out and "FAILED" not in out
 
 
 # -- the GPU drivers, on CPU: their code paths on the tiny base, seconds -----------------------------------------
-def test_axolotl_h200_smoke(tmp_path):
+def test_axolotl_h200_smoke(smokes):
     """Every plan's `pipeline train` config through the pipeline's own check (known keys, axolotl's
     validation): a renamed key or a bad value in a plan fails here, not in a GPU call."""
-    out = smoke("axolotl_h200", "--work", str(tmp_path), mode="smoke")
+    out = smokes["axolotl_h200"].result()
     assert "0 refused" in out and "train experiments" in out
 
 
-def test_packing_check_smoke():
+def test_packing_check_smoke(smokes):
     """The packed path on CPU (torch kernels): exact, and the unpatched control's leak detectable."""
-    out = smoke("packing_check")
+    out = smokes["packing_check"].result()
     assert '"ok": true' in out and '"leak_detectable": true' in out
 
 
-def test_recompute_sweep_smoke():
-    out = smoke("recompute_sweep")
+def test_recompute_sweep_smoke(smokes):
+    out = smokes["recompute_sweep"].result()
     assert "phases: as planned" in out
 
 
-def test_cli_latency_smoke():
-    out = smoke("cli_latency")
+def test_cli_latency_smoke(smokes):
+    out = smokes["cli_latency"].result()
     assert "| status " in out and "| rollback (no fleet)" in out and "wrote" not in out  # writes no figures
 
 
@@ -121,14 +148,22 @@ def test_eval_noise_reads_the_sessions_training(trained):
 
 
 def _smoke_tests() -> set[str]:
-    """Benchmarks named by a `smoke("<name>", ...)` call in this file."""
+    """Benchmarks run by a `submit(smoke, "<name>", ...)` call in this file whose result a test reads
+    (`smokes["<name>"].result()`)."""
     tree = ast.parse(open(__file__).read())
-    return {
-        n.args[0].value
+    started = {
+        n.args[1].value
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "smoke" and n.args
-        if isinstance(n.args[0], ast.Constant)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "submit" and len(n.args) > 1
+        if getattr(n.args[0], "id", "") == "smoke" and isinstance(n.args[1], ast.Constant)
     }
+    read = {
+        n.value.slice.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr == "result" and isinstance(n.value, ast.Subscript)
+        if isinstance(n.value.slice, ast.Constant)
+    }
+    return started & read
 
 
 def test_every_benchmark_has_a_smoke():
