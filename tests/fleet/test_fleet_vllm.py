@@ -277,7 +277,9 @@ def _hang_b_at_its_load(fleet, monkeypatch):
         return real(self, name, path, inplace)
 
     monkeypatch.setattr(InstanceClient, "load", load)
-    for k, v in {"TIMEOUT_S": "10", "LOAD_TIMEOUT_S": "10"}.items():
+    # the hang is detected when these run out: 5 s is over ten times what a request or a load of the
+    # tiny adapter takes on these instances, so only b's pause can end there (each waited 10 s before)
+    for k, v in {"TIMEOUT_S": "5", "LOAD_TIMEOUT_S": "5"}.items():
         monkeypatch.setenv(f"PIPELINE_FLEET__{k}", v)
     return b
 
