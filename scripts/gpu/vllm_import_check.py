@@ -53,7 +53,10 @@ def _cuda_checks() -> dict:
 
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
-    out: dict = {"device": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0))}
+    out: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+    }
     from vllm.platforms import current_platform
 
     out["platform"] = type(current_platform).__name__
@@ -87,7 +90,11 @@ def main() -> int:
         failed["cuda_checks"] = cuda["error"]
     import vllm
 
-    print(json.dumps({"vllm": vllm.__version__, "python": sys.version.split()[0], "failed": failed, "cuda": cuda}))
+    print(
+        json.dumps(
+            {"vllm": vllm.__version__, "python": sys.version.split()[0], "failed": failed, "cuda": cuda}
+        )
+    )
     return 1 if failed else 0
 
 
