@@ -346,6 +346,27 @@ def test_hung_instance_with_min_healthy_publishes_on_the_rest(fleet, chat, monke
     assert roots(b)[f"chat-v{v3}"] == vpath(fleet, v3) and "b" not in marks(fleet)
 
 
+def test_the_publish_canary_on_the_real_engine(fleet):
+    """The per-instance canary's request (`ignore_eos`, token ids, log-probabilities) as this vLLM answers it:
+    an adapter with all-zero lora_B has no effect, a trained-like one has (tests/fleet/test_modes.py: the
+    H200's empty replies)."""
+    from pipeline.fleet.client import InstanceError
+    from pipeline.fleet.modes import canary
+
+    zero = peft_adapter(fleet.base, fleet.root / "canary-zero-b", zero_b=True)
+    with InstanceClient(fleet.cfg.fleet.instances[0], 60) as c:
+        c.load("canary-zero", str(zero))
+        c.load("canary-good", str(fleet.root / "src-chat-11"))
+        try:
+            with pytest.raises(InstanceError, match="no effect") as e:
+                canary(c, fleet.cfg, "canary-zero")
+            assert e.value.check == "fleet.canary_no_effect"
+            canary(c, fleet.cfg, "canary-good")
+        finally:
+            c.unload("canary-zero")
+            c.unload("canary-good")
+
+
 def test_other_vllm_version_or_model_stops_publish_before_any_change(fleet, chat, monkeypatch):
     v2 = chat[1]
     before = desired(fleet)

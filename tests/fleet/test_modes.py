@@ -60,3 +60,37 @@ def test_fleet_resolve_cli(tmp_path, monkeypatch):
     assert res.exit_code == 0 and res.output.strip() == "chat-v7"
     res = CliRunner().invoke(app, ["fleet", "resolve", "chat", "--json"])
     assert json.loads(res.output) == {"adapter": "chat", "model": "chat-v7"}
+
+
+class _Replies:
+    """Stands in for InstanceClient with the replies vLLM 0.25.1 gave on the H200 (a random 8-layer base whose
+    greedy replies stop at once): the CPU engine's tiny base cannot be made to produce them. The request the
+    canary sends is checked against the real engine in tests/fleet/test_fleet_vllm.py."""
+
+    name = "fleet-a"
+
+    def __init__(self, by_model: dict[str, tuple[list[str], list[float]]]):
+        self.by_model = by_model
+
+    def completion(self, model, prompt, max_tokens, **params):
+        assert params == {"ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+        tokens, lps = self.by_model[model]
+        return {"choices": [{"text": "", "logprobs": {"tokens": tokens, "token_logprobs": lps}}]}
+
+
+def test_the_publish_canary_compares_tokens_and_logprobs_not_text(tmp_path):
+    """Both texts were '' on the H200, so publish refused a good adapter as having no effect on both
+    instances. Same tokens with log-probabilities moved by a trained adapter: an effect; the same tokens
+    and log-probabilities: none; other tokens: an effect."""
+    from pipeline.fleet.client import InstanceError
+    from pipeline.fleet.modes import NO_EFFECT_NATS, canary
+
+    cfg = _cfg(tmp_path, vllm_version="0.25.1")
+    base = cfg.served_base_name
+    eos = ["token_id:248046"] * 8
+    canary(_Replies({base: (eos, [-0.1] * 8), "good": (eos, [-0.1] * 7 + [-0.9])}), cfg, "good")
+    canary(_Replies({base: (eos, [-0.1] * 8), "other": (["token_id:7"] + eos[1:], [-0.1] * 8)}), cfg, "other")
+    same = [-0.1] * 7 + [-0.1 - NO_EFFECT_NATS / 2]
+    with pytest.raises(InstanceError, match="no effect") as e:
+        canary(_Replies({base: (eos, [-0.1] * 8), "zero": (eos, same)}), cfg, "zero")
+    assert e.value.check == "fleet.canary_no_effect" and "token_id:248046" in str(e.value)
