@@ -56,11 +56,23 @@ def add_secret(value: str | None) -> None:
         _runtime.add(value)
 
 
+def _environ_items() -> list[tuple[str, str]]:
+    """os.environ's items, read while other threads may change it: MLflow's telemetry thread removed
+    `_MLFLOW_TELEMETRY_SESSION_ID` in the middle of the walk and `pipeline train` died with KeyError (H200,
+    every time). A walk that meets a change is taken again."""
+    for _ in range(100):
+        try:
+            return list(os.environ.items())
+        except (KeyError, RuntimeError):
+            continue
+    return list(os.environ.items())
+
+
 def secret_values() -> list[str]:
     """The secret values known now, longest first (so a value containing another is masked whole)."""
     env = {
         v
-        for k, v in os.environ.items()
+        for k, v in _environ_items()
         if _SECRET_NAME.search(k) and k not in _NOT_SECRET and len(v) >= MIN_SECRET_LEN
     }
     return sorted(env | _runtime, key=len, reverse=True)
