@@ -2,7 +2,7 @@
 # One device call on a lent H200 (`nvidia-h200`): the fleet's kind of engine end to end (issue 23),
 # vLLM 0.25.1 + ModelOpt NVFP4 + MTP + hot-loaded LoRA, driven by the `pipeline` CLI.
 #
-#   OUT=... bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]      # PLAN: main (default) | sweep | prep
+#   OUT=... bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]      # PLAN: main (default) | main2 | sweep | prep
 #
 # prep: the first call of a fresh machine, while the vLLM bundle's last parts are still to come (a call
 # carries 64 MiB): base, MTP layer, both trainings, the NVFP4 checkpoint and the merged NVFP4 model, all
