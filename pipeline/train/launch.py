@@ -57,6 +57,7 @@ from pipeline.interrupt import Interrupted, shielded
 from pipeline.redact import copy_redacted
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
+from pipeline.train.datasets_scope import cache_dir, scoped
 from pipeline.train.gate import (
     KEPT_PARAMS,
     GateUnavailable,
@@ -68,7 +69,7 @@ from pipeline.train.gate import (
 from pipeline.train.metrics import read_metrics, summarise
 from pipeline.train.passthrough import split_passthrough
 from pipeline.train.preflight import Gpu, detect_gpus, logits_memory_problem, packing_problems
-from pipeline.train.prepared import KEEP, prepared_key, prepared_root, prune, write_prepared
+from pipeline.train.prepared import KEEP, prepared_dir, prune, write_prepared
 from pipeline.train.progress import follow_progress, progress_interval, progress_mode
 from pipeline.train.schema import PLUGIN, check_axolotl_schema
 from pipeline.train.strategy import Choice, apply_choice, choose
@@ -219,8 +220,10 @@ def check_inputs(
     cfg: ProjectConfig, tc: TrainingConfig, allow: set[str], world: int = 1, gpus: list[Gpu] | None = None
 ) -> DatasetReport:
     """Config servability, axolotl's schema, GPU preflight (packing on Gated-DeltaNet models,
-    logits memory), dataset checks and the dataset gate (what axolotl keeps: the report's `kept`).
-    Raises CheckFailed before anything is written.
+    logits memory), dataset checks, the run's keyed `dataset_prepared_path` (`prepared_dir`:
+    created, writable) and the dataset gate (what axolotl keeps: the report's `kept`).
+    Raises CheckFailed, or VolumeError for a `dataset_prepared_path` this user cannot write, before
+    anything is written but that directory (the gate's datasets cache goes there).
 
     `gpus`: the visible GPUs (default: pipeline.train.preflight.detect_gpus()); `world`: processes.
     """
@@ -252,7 +255,8 @@ def check_inputs(
         shown = "\n  ".join(str(f) for f in report.errors[:30])
         more = f"\n  ... and {len(report.errors) - 30} more" if len(report.errors) > 30 else ""
         raise CheckFailed(f"dataset check failed ({len(report.errors)} errors):\n  {shown}{more}")
-    report.kept = [sc.to_dict() for sc in dataset_gate(cfg, tc, allow)]
+    keyed = prepared_dir(tc.data, report.fingerprint, cfg.state_dir, cfg.root)
+    report.kept = [sc.to_dict() for sc in dataset_gate(cfg, tc, allow, keyed)]
     return report
 
 
@@ -293,26 +297,22 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig, prepared: Pat
     return d
 
 
-def dataset_gate(cfg: ProjectConfig, tc: TrainingConfig, allow: set[str]) -> list[SplitCount]:
+def dataset_gate(cfg: ProjectConfig, tc: TrainingConfig, allow: set[str], keyed: Path) -> list[SplitCount]:
     """What axolotl keeps of the datasets (pipeline.train.gate, axolotl's own tokenisation and
-    filters with the run's tokenizer and template); raises CheckFailed for a split with nothing
+    filters with the run's tokenizer and template), read with the datasets library's cache under
+    the run's keyed `dataset_prepared_path` (pipeline.train.datasets_scope: the files' current
+    bytes, whatever their mtime; no progress bars); raises CheckFailed for a split with nothing
     kept, or more than `train.max_dropped_share` dropped (unless --allow dataset.dropped).
     Returns [] when the base's tokenizer or config cannot be read here (a hub id not cached
     offline): axolotl then counts at training time as before."""
-    import datasets
-
-    was = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        counts = count_kept(axolotl_view(tc))
-    except GateUnavailable as e:  # no base config / tokenizer here: axolotl counts at training time
-        log.warning("dataset gate skipped (the base cannot be read here: %s)", e)
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckFailed(f"{tc.path}: axolotl cannot prepare the datasets: {e}") from None
-    finally:
-        if was:
-            datasets.enable_progress_bars()
+    with scoped(keyed):
+        try:
+            counts = count_kept(axolotl_view(tc, keyed))
+        except GateUnavailable as e:  # no base config / tokenizer here: axolotl counts at training time
+            log.warning("dataset gate skipped (the base cannot be read here: %s)", e)
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckFailed(f"{tc.path}: axolotl cannot prepare the datasets: {e}") from None
     problems = gate_problems(counts, cfg.train.max_dropped_share, allow)
     if problems:
         raise CheckFailed("dataset gate (what axolotl would keep):\n  " + "\n  ".join(problems))
@@ -350,18 +350,19 @@ def launcher_command(
     return cmd
 
 
-def prepare_datasets(tc: TrainingConfig, state_dir: Path, dataset_fingerprint: str) -> Path:
-    """The run's keyed `dataset_prepared_path`, with axolotl's prepared datasets written there
-    (pipeline.train.prepared); when they cannot be written here (the base's tokenizer is not
-    readable, a hub id not cached offline) the trainer prepares them itself, in the same keyed place."""
-    root = prepared_root(tc.data, state_dir)
-    keyed = root / prepared_key(dataset_fingerprint, tc.data)
+def prepare_datasets(cfg: ProjectConfig, tc: TrainingConfig, report: DatasetReport) -> Path:
+    """The run's keyed `dataset_prepared_path` (`prepared_dir`), with axolotl's prepared datasets
+    written there (pipeline.train.prepared) from `report`'s files (checked: as many rows as its
+    gate counts, `report.kept`); when they cannot be written here (the base's tokenizer is not
+    readable, a hub id not cached offline) the trainer prepares them itself, in the same keyed place.
+    Raises VolumeError when that place cannot be written, CheckFailed when the rows differ."""
+    keyed = prepared_dir(tc.data, report.fingerprint, cfg.state_dir, cfg.root)
     try:
-        write_prepared(axolotl_view(tc, keyed))
+        write_prepared(axolotl_view(tc, keyed), kept={k["split"]: k["kept"] for k in report.kept})
     except (OSError, ValueError) as e:
         log.warning("the trainer prepares the datasets itself (%s)", str(e).splitlines()[0] if str(e) else e)
     else:
-        for gone in prune(root, keyed):
+        for gone in prune(keyed.parent, keyed):
             log.debug("removed the prepared datasets %s (older than the newest %d)", gone, KEEP)
     return keyed
 
@@ -427,7 +428,8 @@ def train(
     if (run_dir / "adapter" / MANIFEST).exists():
         raise PipelineError(f"{run_dir} already holds a finished adapter; use another run directory")
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = resolve(tc, run_dir, cfg, prepare_datasets(tc, cfg.state_dir, ds_report.fingerprint))
+    keyed = prepare_datasets(cfg, tc, ds_report)
+    resolved = resolve(tc, run_dir, cfg, keyed)
     resume = latest_checkpoint(run_dir / "output")
     if resume is not None:
         # An interrupted run with the same inputs: axolotl/HF Trainer resume (optimizer, scheduler, RNG, step).
@@ -472,7 +474,13 @@ def train(
     cmd = launcher_command(resolved_yml, plan.gpus, plan.launcher, plan.launcher_args)
     echo(f"run dir: {run_dir}\nmlflow run: {run_id}\nlaunching: {' '.join(cmd)}")
     env = train_env(
-        {"PIPELINE_METRICS_FILE": str(metrics_file), "MLFLOW_TRACKING_URI": cfg.tracking_uri}
+        {
+            "PIPELINE_METRICS_FILE": str(metrics_file),
+            "MLFLOW_TRACKING_URI": cfg.tracking_uri,
+            # the trainer's datasets cache is the key's too: when it tokenizes (nothing prepared here),
+            # the rows come from the files' bytes (pipeline.train.datasets_scope)
+            "HF_DATASETS_CACHE": str(cache_dir(keyed)),
+        }
         | ({"MLFLOW_RUN_ID": run_id} if run_id else {})
     )
     with open(run_dir / "train.log", "w") as train_log:

@@ -198,6 +198,7 @@ def test_train_preflight_reads_the_config_mapping(tmp_path):
             f"base_model={tmp_path}",
             f"datasets=[{{path: {t}, {entry}}}]",
             f"test_datasets=[{{path: {v}, split: train, {entry}}}]",
+            f"dataset_prepared_path={tmp_path / 'prepared'}",  # not the checkout's .state
         ],
     )
     rep = check_inputs(load_config(None), tc, set())

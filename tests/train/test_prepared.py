@@ -3,19 +3,27 @@
 The defect: axolotl keys `dataset_prepared_path/<md5>` by the dataset entries and the tokenizer's
 name, not the files' bytes. 60 rows appended to the training file, `pipeline train` again: the
 trainer loaded the first run's 120 rows while the manifest recorded the new file and 180 kept.
+Then: the datasets library's cache keys a file by its mtime (a rewrite with the old mtime gave the
+old rows), a killed writer's temporary directory stayed, a relative path followed the working
+directory, an unwritable one failed in the trainer, and progress bars reached stderr.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
+from pipeline.errors import CheckFailed, VolumeError
 from pipeline.train.config import load_training_config
 from pipeline.train.dataset import check_datasets
-from pipeline.train.launch import axolotl_view, prepare_datasets
-from pipeline.train.prepared import COMPLETE, prepared_key, prune, write_prepared
+from pipeline.train.launch import axolotl_view, check_inputs, prepare_datasets
+from pipeline.train.prepared import COMPLETE, prepared_dir, prepared_key, prune, write_prepared
 from tests.support.helpers import REPO
 
 TINY = REPO / "axolotl_configs" / "tiny-cpu.yml"
@@ -52,20 +60,26 @@ def _trainer_view(tc, keyed):
     }
 
 
+def _report(tc):
+    return check_datasets(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets"))
+
+
 def _fingerprint(tc) -> str:
-    return check_datasets(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets")).fingerprint
+    return _report(tc).fingerprint
 
 
-def test_a_data_file_changed_in_place_is_not_trained_from_its_stale_copy(tiny_base, tmp_path, monkeypatch):
+def test_a_data_file_changed_in_place_is_not_trained_from_its_stale_copy(
+    project, tiny_base, tmp_path, monkeypatch
+):
     monkeypatch.chdir(REPO)
     data = tmp_path / "train.jsonl"
     shutil.copy(REPO / "datasets" / "agent_chat_train.jsonl", data)
     tc = _tc(tiny_base, [data], f"dataset_prepared_path={tmp_path / 'prep'}")
-    first = prepare_datasets(tc, tmp_path / "state", _fingerprint(tc))
+    first = prepare_datasets(project, tc, _report(tc))
     assert len(_trainer_view(tc, first)["train"]) == 120
     lines = data.read_text().splitlines()
     data.write_text("\n".join(lines + lines[:60]) + "\n")  # same path, new bytes
-    second = prepare_datasets(tc, tmp_path / "state", _fingerprint(tc))
+    second = prepare_datasets(project, tc, _report(tc))
     assert second != first and second.parent == first.parent == (tmp_path / "prep")
     seen = _trainer_view(tc, second)
     assert len(seen["train"]) == 180 and len(seen["test"]) == 20
@@ -174,3 +188,188 @@ def test_the_trainer_loads_what_the_pipeline_prepared(trained):
     log = (res.run_dir / "train.log").read_text()
     assert log.count(f"Loading prepared dataset from disk at {keyed}/") == 2, log[:3000]
     assert "Unable to find prepared dataset" not in log and "Saving the dataset" not in log
+
+
+def _rows(upper: bool) -> str:
+    """The training file's rows (json.dumps), each message's text upper-cased or not: the same bytes'
+    length, other tokens."""
+    out = []
+    for line in (REPO / "datasets" / "agent_chat_train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for m in row["messages"]:
+            if upper and isinstance(m.get("content"), str):
+                m["content"] = m["content"].upper()
+        out.append(json.dumps(row))
+    return "\n".join(out) + "\n"
+
+
+def _train_dir(tc, keyed):
+    """The train split's directory under `keyed`, where the trainer's axolotl looks."""
+    from axolotl.loaders import load_tokenizer
+    from axolotl.utils.data.shared import generate_dataset_hash_from_config
+
+    from pipeline.train.gate import axolotl_cfg
+
+    cfg = axolotl_cfg(axolotl_view(tc, keyed))
+    return keyed / generate_dataset_hash_from_config(cfg, cfg.datasets, load_tokenizer(cfg).name_or_path)
+
+
+def test_a_rewrite_that_keeps_the_old_mtime_is_prepared_from_its_new_bytes(
+    project, tiny_base, tmp_path, monkeypatch
+):
+    """`cp -p`, `rsync -a`, `touch -r`: other rows, the old mtime and size. The datasets library keys
+    its json cache by path and mtime, so the gate counted the old rows and the new key's prepared
+    dataset held them."""
+    from datasets import load_from_disk
+
+    monkeypatch.chdir(REPO)
+    data, fresh = tmp_path / "train.jsonl", tmp_path / "fresh" / "train.jsonl"
+    data.write_text(_rows(upper=False))
+    tc = _tc(tiny_base, [data], f"dataset_prepared_path={tmp_path / 'prep'}")
+    before = check_inputs(project, tc, set(), gpus=[])
+    first = prepare_datasets(project, tc, before)
+    st = data.stat()
+    data.write_text(_rows(upper=True))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    after = check_inputs(project, tc, set(), gpus=[])
+    second = prepare_datasets(project, tc, after)
+    # the truth: the same bytes at a path no cache has seen
+    fresh.parent.mkdir()
+    fresh.write_text(_rows(upper=True))
+    tc_fresh = _tc(tiny_base, [fresh], f"dataset_prepared_path={tmp_path / 'prep-fresh'}")
+    truth = check_inputs(project, tc_fresh, set(), gpus=[])
+    truth_dir = prepare_datasets(project, tc_fresh, truth)
+
+    tokens = [{k["split"]: k["tokens"] for k in r.kept} for r in (before, after, truth)]
+    assert tokens[0]["train"] != tokens[2]["train"]  # upper case is other tokens: the test can fail
+    assert tokens[1] == tokens[2]  # the gate counted the new rows
+    ours = load_from_disk(str(_train_dir(tc, second))).to_dict()
+    assert ours == load_from_disk(str(_train_dir(tc_fresh, truth_dir))).to_dict()
+    assert ours != load_from_disk(str(_train_dir(tc, first))).to_dict()
+
+
+def test_rows_other_than_the_gate_counted_are_refused(project, tiny_base, tmp_path, monkeypatch):
+    """The files changed between the gate and the write (the key names the checked bytes): the
+    prepared split would hold rows the manifest does not describe."""
+    monkeypatch.chdir(REPO)
+    data = tmp_path / "train.jsonl"
+    shutil.copy(REPO / "datasets" / "agent_chat_train.jsonl", data)
+    tc = _tc(tiny_base, [data], f"dataset_prepared_path={tmp_path / 'prep'}")
+    report = check_inputs(project, tc, set(), gpus=[])
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines + lines[:60]) + "\n")
+    with pytest.raises(CheckFailed, match="train split has 180 rows where the dataset gate kept 120"):
+        prepare_datasets(project, tc, report)
+    assert not _train_dir(tc, prepared_dir(tc.data, report.fingerprint, project.state_dir)).exists()
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from pipeline.train.prepared import _temporary
+with _temporary(Path(sys.argv[1]), sys.argv[2]) as tmp:
+    (tmp / "data-00000-of-00001.arrow").write_bytes(b"half")
+    print(tmp, flush=True)
+    time.sleep(120)
+"""
+
+
+def _writer(root, name):
+    """A process in the middle of a write under `root`: (process, its temporary directory)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root), name], stdout=subprocess.PIPE, text=True, env=env
+    )
+    return proc, root / os.path.basename(proc.stdout.readline().strip())
+
+
+def test_a_killed_writers_temporary_directory_is_removed_a_live_ones_kept(tiny_base, tmp_path, monkeypatch):
+    """SIGKILL during a write left `.<md5>.xxxx` under the key forever; a concurrent writer's is its own."""
+    from datasets import load_from_disk
+
+    monkeypatch.chdir(REPO)
+    tc = _tc(tiny_base, [REPO / "datasets" / "agent_chat_train.jsonl"])
+    root = tmp_path / "k"
+    root.mkdir()
+    dead, dead_tmp = _writer(root, "a" * 32)
+    live, live_tmp = _writer(root, "b" * 32)
+    old_style = root / f".{'c' * 32}.x1_y2z3"  # tempfile.mkdtemp's, from before the lock files
+    old_style.mkdir()
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        assert dead_tmp.is_dir() and live_tmp.is_dir()
+        (train_dir, _) = write_prepared(axolotl_view(tc, root))
+        assert not dead_tmp.exists() and not old_style.exists()
+        assert live_tmp.is_dir() and (root / f"{live_tmp.name}.lock").exists()
+        assert len(load_from_disk(str(train_dir))) == 120
+        leftovers = {p.name for p in root.iterdir() if p.name.startswith(".")}
+        assert leftovers == {live_tmp.name, f"{live_tmp.name}.lock"}
+    finally:
+        live.kill()
+        live.wait(10)
+        dead.wait(10)
+
+
+def test_a_relative_prepared_path_is_the_projects_from_any_working_directory(
+    project, tiny_base, tmp_path, monkeypatch
+):
+    """The shipped configs say `.state/prepared`: like pipeline.yaml's paths, it is the project
+    root's (`ProjectConfig.root`), not the working directory's."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    test_entry = _entry(REPO / "datasets" / "agent_chat_validation.jsonl").replace("}", ", split: train}")
+    tc = _tc(
+        tiny_base,
+        [REPO / "datasets" / "agent_chat_train.jsonl"],
+        f"test_datasets=[{test_entry}]",
+    )
+    assert tc.data["dataset_prepared_path"] == ".state/prepared"
+    report = check_inputs(project, tc, set(), gpus=[])
+    keyed = prepare_datasets(project, tc, report)
+    assert keyed.parent == project.root / ".state" / "prepared" != elsewhere / ".state" / "prepared"
+    assert len(_trainer_view(tc, keyed)["train"]) == 120
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_an_unwritable_prepared_path_is_refused_before_a_run_exists(
+    project, tiny_base, tmp_path, monkeypatch
+):
+    """It was a trainer traceback, a run directory and a FAILED MLflow run. A path under a regular
+    file: unwritable for root too."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    monkeypatch.chdir(REPO)
+    (tmp_path / "afile").write_text("not a directory\n")
+    bad = tmp_path / "afile" / "prepared"
+    res = CliRunner().invoke(
+        app,
+        ["train", str(TINY), "--set", f"base_model={tiny_base}", "--set", f"dataset_prepared_path={bad}"]
+        + ["--no-progress"],
+    )
+    assert res.exit_code == 2, res.output
+    assert f"dataset_prepared_path {bad}: cannot write the prepared datasets there" in res.output
+    assert "--set dataset_prepared_path=DIR" in res.output and "Traceback" not in res.output
+    assert not project.train.runs_dir.exists() or not any(project.train.runs_dir.iterdir())
+    assert not (project.state_dir / "mlflow.db").exists()  # no MLflow run either
+    # the default place, under an unwritable state_dir: the message says which setting to change
+    with pytest.raises(VolumeError, match="set state_dir in pipeline.yaml"):
+        prepared_dir({}, "0" * 64, tmp_path / "afile" / "state")
+
+
+def test_preparing_shows_no_progress_bars(tiny_base, tmp_path, monkeypatch, capfd):
+    """datasets' bars ("Map", "Saving the dataset") reached the CLI's stderr; the setting is restored."""
+    import datasets
+
+    monkeypatch.chdir(REPO)
+    tc = _tc(tiny_base, [REPO / "datasets" / "agent_chat_train.jsonl"])
+    capfd.readouterr()
+    assert datasets.is_progress_bar_enabled()
+    write_prepared(axolotl_view(tc, tmp_path / "k"))
+    err = capfd.readouterr().err
+    assert "Saving the dataset" not in err and "it/s]" not in err and "examples/s]" not in err, err
+    assert datasets.is_progress_bar_enabled()
