@@ -1,6 +1,6 @@
 """The input fingerprint of an adapter: one hex sha256 over what determines its weights.
 
-Computed here and only here, from three parts:
+Computed here and only here, from these parts:
 
 - the dataset fingerprint (`pipeline.train.dataset`: sha256 over each file's bytes and role);
 - the *inputs* hash of the axolotl config: the resolved config minus the keys that only say
@@ -12,9 +12,16 @@ Computed here and only here, from three parts:
   headers (its path does not matter), a hub base by id and pinned revision;
 - the tokenizer's bytes: its files in `tokenizer_config` or the local base directory (the chat
   template decides every token the adapter is trained on; a base whose template was fixed in place
-  has the same headers). A hub tokenizer adds nothing (its revision is in the base identity).
+  has the same headers). A hub tokenizer adds nothing (its revision is in the base identity);
+- which file goes with which dataset entry (`dataset_entries_sha256`): each `datasets` /
+  `test_datasets` entry's file sha256, in entry order. The first two parts cannot tell: the config
+  inputs keep each entry's options without its path, the dataset fingerprint each file's role and
+  bytes, sorted. So two entries with different options (`type`, `roles`, `split`, field mappings)
+  whose files were swapped trained differently under the same fingerprint. Only a list with more
+  than one entry adds it: one entry per list is paired by role already, and its fingerprint stays
+  the value it always was (no retrain after the upgrade for those configs).
 
-`pipeline train` writes all three and the result into the manifest (`inputs`); every
+`pipeline train` writes the parts and the result into the manifest (`inputs`); every
 registration (`pipeline register`, `pipeline run`, `pipeline demo`) copies the result to the
 version tag `run.fingerprint`; `pipeline run` skips training when a version carries it.
 """
@@ -25,6 +32,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from pipeline.artifacts.hashing import sha256_file
 from pipeline.artifacts.manifest import AdapterManifest
 from pipeline.artifacts.safetensors import header_bytes
 
@@ -70,7 +78,8 @@ def _is_location(key: str) -> bool:
 
 
 def config_inputs(data: dict) -> dict:
-    """The config with location/bookkeeping keys removed (dataset entries without `path`)."""
+    """The config with location/bookkeeping keys removed (dataset entries without `path`: which file
+    goes with which entry is `dataset_entries_sha256`)."""
     out = {}
     for k, v in data.items():
         if _is_location(k):
@@ -130,6 +139,26 @@ def tokenizer_digest(path: str) -> str | None:
     return h.hexdigest()
 
 
+def dataset_entries_sha256(config: dict) -> str | None:
+    """Hex sha256 over each `datasets` / `test_datasets` entry's file sha256, in entry order (paths
+    not counted: a project moved elsewhere keeps it); None when no list has more than one entry
+    (the module docstring says why). An entry whose path is not a file here counts as null (the
+    checks refuse it before anything trains). Reads every data file of such a config."""
+    lists = {k: config.get(k) for k in ("datasets", "test_datasets") if isinstance(config.get(k), list)}
+    if not any(len(v) > 1 for v in lists.values()):
+        return None
+    shas = {
+        k: [
+            sha256_file(Path(d["path"]))
+            if isinstance(d, dict) and Path(str(d.get("path"))).is_file()
+            else None
+            for d in v
+        ]
+        for k, v in lists.items()
+    }
+    return hashlib.sha256(json.dumps(shas, sort_keys=True).encode()).hexdigest()
+
+
 def base_identity(model: str | None, revision: str | None, fingerprint: str | None) -> dict:
     """What identifies the base: its local fingerprint, else the hub id and pinned revision."""
     if fingerprint:
@@ -138,19 +167,31 @@ def base_identity(model: str | None, revision: str | None, fingerprint: str | No
 
 
 def inputs_fingerprint(
-    dataset_fingerprint: str, config_sha256: str, base: dict, tokenizer: str | None = None
+    dataset_fingerprint: str,
+    config_sha256: str,
+    base: dict,
+    tokenizer: str | None = None,
+    entries: str | None = None,
 ) -> str:
     """Hex sha256 of the inputs that determine the adapter (see the module docstring). Without a
-    tokenizer digest (a hub tokenizer, a manifest from before it was recorded) the value is the one
-    the three other parts always gave."""
+    tokenizer digest (a hub tokenizer, a manifest from before it was recorded) and without `entries`
+    (`dataset_entries_sha256`: None for one entry per dataset list) the value is the one the three
+    other parts always gave."""
     parts = {"dataset": dataset_fingerprint, "config": config_sha256, "base": base}
     if tokenizer:
         parts["tokenizer"] = tokenizer
+    if entries:
+        parts["dataset_entries"] = entries
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def training_inputs(dataset_fingerprint: str, config: dict) -> dict:
-    """The manifest's `inputs` block for a config about to be trained: its parts and the fingerprint."""
+    """The manifest's `inputs` block for a config about to be trained: its parts and the fingerprint.
+
+    `dataset_fingerprint`: `pipeline.train.dataset` (`check_datasets` or `files_fingerprint`);
+    `config`: the training config, its relative paths read from the working directory. Reads the
+    base's headers and tokenizer files, and the data files of a list with several entries.
+    """
     base = str(config.get("base_model"))
     revision = (
         config.get("base_model_revision") or config.get("revision_of_model") or config.get("model_revision")
@@ -158,12 +199,14 @@ def training_inputs(dataset_fingerprint: str, config: dict) -> dict:
     ident = base_identity(base, revision, base_fingerprint(base))
     cfg_sha = config_inputs_sha256(config)
     tok = tokenizer_digest(str(config.get("tokenizer_config") or base))
+    entries = dataset_entries_sha256(config)
     return {
         "dataset_fingerprint": dataset_fingerprint,
         "config_inputs_sha256": cfg_sha,
         "base": ident,
         "tokenizer_sha256": tok,
-        "fingerprint": inputs_fingerprint(dataset_fingerprint, cfg_sha, ident, tok),
+        "dataset_entries_sha256": entries,
+        "fingerprint": inputs_fingerprint(dataset_fingerprint, cfg_sha, ident, tok, entries),
     }
 
 

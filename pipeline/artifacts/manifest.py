@@ -109,6 +109,7 @@ class TrainingInputs(_Record):
     config_inputs_sha256: str | None = None
     base: dict[str, Any] | None = None
     tokenizer_sha256: str | None = None
+    dataset_entries_sha256: str | None = None  # which file goes with which dataset entry (None: one per list)
     fingerprint: str | None = None
 
 

@@ -7,8 +7,9 @@ once (a version with the same weights is reused); a version registered from thes
 never published (killed between register and publish, or gated before) goes through the gates
 and publish again instead of being skipped; a publish killed half-way is completed by the
 publish transaction (`pipeline.release.transaction`). Skips work that changes nothing (a version
-with the same fingerprint that was published: status `skipped`), and ships only what passes
-the gates (validation passed; eval loss not worse than production's by more than
+with the same fingerprint that was published: status `skipped`; the config's own checks, which
+read no data, come first: the fleet's rules depend on pipeline.yaml and its environment too), and
+ships only what passes the gates (validation passed; eval loss not worse than production's by more than
 `run.eval_loss_margin`).
 
 Fingerprint: `pipeline.artifacts.fingerprint` (dataset fingerprint, the config's inputs hash,
@@ -44,9 +45,11 @@ from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
 from pipeline.interrupt import Interrupted, shielded
 from pipeline.release.publish import publish
 from pipeline.release.transaction import checkpoint
+from pipeline.train.config import check_training_config
 from pipeline.train.dataset import files_fingerprint
 from pipeline.train.launch import check_inputs, train, training_setup
 from pipeline.validate import validate_with_config
+from pipeline.validate.report import FleetRules
 
 FINGERPRINT_TAG = registry.FINGERPRINT_TAG
 log = logging.getLogger(__name__)
@@ -255,8 +258,13 @@ def run(
     out = RunOutcome("failed", name, "", seconds=seconds)
     try:
         registry.check_store(cfg)  # a store that cannot be used fails now, before training
+        # The config's own checks read no data (milliseconds) and depend on more than the fingerprint:
+        # pipeline.yaml and its environment (the fleet's rules) and the files still being there. A fleet
+        # that can no longer serve what this job trains fails the run even when the inputs are unchanged.
+        # (The GPU preflight's packing facts are for training: `check_inputs` adds them.)
+        check_training_config(tc, FleetRules.from_config(cfg), set(allow))
         # Unchanged inputs are known from the files' bytes, the config and the base: a run that ships
-        # nothing skips the checks and the dataset gate (axolotl's import and a tokenization of every row).
+        # nothing skips the other checks and the dataset gate (axolotl's import, a tokenization of every row).
         quick = files_fingerprint(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets"))
         if quick is not None and not force:
             out.fingerprint = training_inputs(quick, tc.data)["fingerprint"]

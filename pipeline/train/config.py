@@ -178,14 +178,73 @@ def servability_problems(
     ]
 
 
+def _hub_id(name: str) -> bool:
+    """Whether `name` can be a Hugging Face repo id (`org/name`; not `/abs`, `./rel`, `a/b/c`, `~/x`)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _relative_note(p: Path) -> str:
+    return "" if p.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+
+
+def _where(tc: TrainingConfig, key: str) -> str:
+    """Where top-level `key` was set: the config file, an overlay, or `<config> (--set key)`."""
+    origin = tc.origins.get(key)
+    if origin is None:
+        return str(tc.path)
+    return f"{tc.path} ({origin.split('=', 1)[0]})" if origin.startswith("--set ") else origin
+
+
+def missing_inputs(tc: TrainingConfig) -> list[str]:
+    """One message per input the config names that is not here, [] when all are; no file is read.
+
+    - each `datasets` / `test_datasets` entry's `path` that does not exist, named by the entry
+      (`datasets[1]`), where it was set (the config file, an overlay or `--set`) and its `type`;
+    - a `base_model` that is no directory here and cannot be a hub id (an absolute or `./`
+      path, more than one `/`): a base directory that was moved or deleted. (`org/name` is read as
+      a hub id; `train.unpinned_base` then says what it needs.)
+    """
+    msgs = []
+    base = str(tc.data.get("base_model") or "")
+    if base and not Path(base).exists() and not _hub_id(base):
+        msgs.append(
+            f"{_where(tc, 'base_model')}: base_model {base} does not exist{_relative_note(Path(base))}: "
+            "the base model directory was moved or deleted (a path, not a hub id); point base_model at the "
+            "directory that holds its config.json and safetensors (edit the config, or --set base_model=DIR)"
+        )
+    for key in ("datasets", "test_datasets"):
+        for i, entry in enumerate(tc.data.get(key) or []):
+            p = Path(entry["path"])
+            if not p.exists():
+                kind = f" (type {entry['type']})" if entry.get("type") else ""
+                msgs.append(
+                    f"{_where(tc, key)}: {key}[{i}]{kind} path {p} does not exist"
+                    f"{_relative_note(p)}: restore the file or point this entry's path at it"
+                )
+    return msgs
+
+
 def check_training_config(
     tc: TrainingConfig, max_lora_rank, allow: set[str] = frozenset(), packing: list[str] | None = None
 ) -> list:
-    """Raise CheckFailed listing every unservable setting and every missing dataset file.
+    """Raise CheckFailed listing every unservable setting. Reads no data file: milliseconds (the base's
+    config and tokenizer at most).
 
     `max_lora_rank` is the fleet's `FleetRules` (or its max rank); `packing` the GPU preflight's packing
     problems (`pipeline.train.preflight.packing_problems`). Returns the warnings (e.g.
     `config.patterns_ignored`: publish will fold the patterns) for the caller to print.
+
+    Raises:
+        UsageError (exit 2): an unknown `--allow` id, a malformed `datasets` list, or an input that is
+            not there (`missing_inputs`: a data file, a moved base directory), before any rule runs.
+        CheckFailed (exit 1): a rule's error, or no `datasets`.
     """
     unknown = set(allow) - set(ALLOWABLE)
     if unknown:
@@ -199,16 +258,14 @@ def check_training_config(
                 f"{tc.path}: {key} must be a list of mappings with a path, e.g. "
                 f"--set '{key}=[{{path: data/train.jsonl, ds_type: json, type: chat_template}}]'; got {value!r}"
             )
+    if missing := missing_inputs(tc):
+        raise UsageError("\n  ".join(missing))  # the first line (`pipeline run`'s JSON reason) names one
     findings = training_findings(tc, max_lora_rank, set(allow), packing=packing)
     msgs = [
         f"{f.where}: {f.message} [{f.id}] (override with --allow {f.id})"
         for f in findings
         if f.severity == "error"
     ]
-    for key in ("datasets", "test_datasets"):
-        for p in tc.dataset_paths(key):
-            if not p.exists():
-                msgs.append(f"{tc.path}: {key} path {p} does not exist")
     if not tc.data.get("datasets"):
         msgs.append(f"{tc.path}: no datasets")
     if msgs:

@@ -130,7 +130,10 @@ def unpinned_base(ctx: TrainFacts):
     base = str(ctx.data.get("base_model") or "")
     if base and not Path(base).exists() and not ctx.data.get("base_model_revision"):
         yield Issue(
-            f"base_model {base!r} is a hub id without base_model_revision: pin a commit sha", ctx.source
+            f"base_model {base!r} is no directory here, so it is read as a hub id, which needs "
+            "base_model_revision: pin a commit sha (a local base that was moved: point base_model at "
+            "its directory)",
+            ctx.source,
         )
 
 

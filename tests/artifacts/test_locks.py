@@ -37,12 +37,12 @@ def test_the_run_lock_and_the_store_lock(tmp_path, monkeypatch):
     """`pipeline run`'s lock (taken before anything slow) and the store's first-use lock."""
     from pipeline import registry
     from pipeline.config import load_config
-    from pipeline.errors import CheckFailed
+    from pipeline.errors import UsageError
     from pipeline.jobs.run import run
 
     cfg = load_config(write_project_config(tmp_path))
     monkeypatch.chdir(REPO)
-    with pytest.raises(CheckFailed):  # after the lock: the base does not exist
+    with pytest.raises(UsageError, match="does not exist"):  # after the lock: the base does not exist
         run(
             cfg,
             REPO / "axolotl_configs" / "tiny-cpu.yml",

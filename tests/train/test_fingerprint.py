@@ -107,3 +107,53 @@ def test_dataset_paths_do_not_count_but_their_options_do():
     b = {"datasets": [{"path": "rel/train.jsonl", "type": "chat_template"}]}
     c = {"datasets": [{"path": "/a/train.jsonl", "type": "chat_template", "field_messages": "conversations"}]}
     assert config_inputs_sha256(a) == config_inputs_sha256(b) != config_inputs_sha256(c)
+
+
+def _two_entries(first: str, second: str) -> dict:
+    """tiny-cpu.yml with two training entries that read their files differently (roles trained)."""
+    return load_training_config(
+        TINY,
+        [
+            f"datasets=[{{path: {first}, ds_type: json, type: chat_template, roles_to_train: [assistant]}}, "
+            f"{{path: {second}, ds_type: json, type: chat_template, roles_to_train: [assistant, tool]}}]"
+        ],
+    ).data
+
+
+def test_which_file_goes_with_which_dataset_entry_counts(tmp_path, monkeypatch, tiny_base):
+    """The config's inputs drop each entry's path and the dataset fingerprint sorts (role, sha256): swapping
+    the files of two entries with different options gave the same fingerprint, so `pipeline run` skipped a
+    changed training (and reused its prepared datasets). Paths themselves still do not count."""
+    from pipeline.train.dataset import files_fingerprint
+
+    project = tmp_path / "project"
+    shutil.copytree(tiny_base, project / ".state" / "tiny-base")
+    (project / "data").mkdir()
+    for name in ("agent_chat_train.jsonl", "agent_chat_validation.jsonl"):
+        shutil.copy(REPO / "datasets" / name, project / "data" / name)
+    a, b = "data/agent_chat_train.jsonl", "data/agent_chat_validation.jsonl"
+    monkeypatch.chdir(project)
+    data_fp = files_fingerprint([project / a, project / b])  # the same files either way
+    assert data_fp == files_fingerprint([project / b, project / a])
+    ab = training_inputs(data_fp, _two_entries(a, b))
+    ba = training_inputs(data_fp, _two_entries(b, a))
+    assert ab["config_inputs_sha256"] == ba["config_inputs_sha256"]  # options alone: the same
+    assert ab["fingerprint"] != ba["fingerprint"]
+    # the whole project moved (relative paths from its new root, or absolute ones): the same inputs
+    moved = tmp_path / "moved"
+    shutil.move(project, moved)
+    monkeypatch.chdir(moved)
+    assert training_inputs(data_fp, _two_entries(a, b)) == ab
+    assert training_inputs(data_fp, _two_entries(str(moved / a), str(moved / b))) == ab
+
+
+def test_one_entry_per_dataset_list_keeps_its_fingerprint(tmp_path, monkeypatch, tiny_base):
+    """With one entry per list the role pairs each file with its entry: no entry part, and the value is the
+    one versions registered before it carry (no retrain after the upgrade)."""
+    shutil.copytree(tiny_base, tmp_path / ".state" / "tiny-base")
+    monkeypatch.chdir(tmp_path)
+    inputs = training_inputs("d" * 64, load_training_config(TINY).data)
+    assert inputs["dataset_entries_sha256"] is None
+    assert inputs["fingerprint"] == inputs_fingerprint(
+        "d" * 64, inputs["config_inputs_sha256"], inputs["base"], inputs["tokenizer_sha256"]
+    )

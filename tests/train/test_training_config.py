@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.errors import CheckFailed
+from pipeline.errors import CheckFailed, UsageError
 from pipeline.train.config import check_training_config, load_training_config, servability_problems
 from tests.support.helpers import REPO
 
@@ -50,11 +50,38 @@ def test_ranks_up_to_the_fleet_max_are_not_refused(tmp_path, override):
 
 
 def test_check_names_missing_dataset(tmp_path):
+    """A missing file is bad input (exit 2, README), named by its entry on the message's first line."""
     tc = load_training_config(
-        TINY, [f"base_model={tmp_path}", "datasets=[{path: nope.jsonl, type: chat_template}]"]
+        TINY,
+        [
+            f"base_model={tmp_path}",
+            f"datasets=[{{path: {REPO / 'datasets/agent_chat_train.jsonl'}}}, "
+            "{path: nope.jsonl, type: chat_template}]",
+        ],
     )
-    with pytest.raises(CheckFailed, match="nope.jsonl does not exist"):
+    with pytest.raises(UsageError) as e:
         check_training_config(tc, 16)
+    first = str(e.value).splitlines()[0]
+    assert (
+        f"{TINY} (--set datasets): datasets[1] (type chat_template) path nope.jsonl does not exist" in first
+    )
+
+
+def test_a_moved_base_directory_is_named_as_one(tmp_path, monkeypatch):
+    """A base_model path that is gone was reported as "a hub id without base_model_revision: pin a commit
+    sha"."""
+    monkeypatch.chdir(tmp_path)
+    for base in (".state/tiny-base", str(tmp_path / "bases/tiny"), "../tiny-base"):  # none can be a hub id
+        with pytest.raises(UsageError) as e:
+            check_training_config(load_training_config(TINY, [f"base_model={base}"]), 16)
+        assert f"base_model {base} does not exist" in str(e.value)
+        assert "moved or deleted" in str(e.value) and "point base_model at the directory" in str(e.value)
+    assert f"working directory {tmp_path}" in str(e.value)  # a relative path: from where
+    # `org/name` may be a hub id or a relative directory: the rule says both
+    (msg,) = [
+        m for cid, m in servability_problems(load_training_config(TINY, ["base_model=models/qwen"]), 16)
+    ]
+    assert "read as a hub id" in msg and "point base_model at its directory" in msg
 
 
 # -- the rules `validate` runs, before axolotl starts (issue 15 kind 8): one failing config per instance ------------
