@@ -51,6 +51,43 @@ def test_the_stream_redacts_whatever_writes_to_it(capsys):
     assert capsys.readouterr().out == "mlflow at http://***@h/\n"
 
 
+def test_redact_survives_another_thread_changing_the_environment(monkeypatch):
+    """MLflow's telemetry thread deleted `_MLFLOW_TELEMETRY_SESSION_ID` while `redact` walked os.environ, and
+    `pipeline train` died with KeyError (H200, every time). Here a thread adds and removes a variable in a
+    tight loop while `redact` walks the environment again and again: every call masks the secret, none
+    raises (KeyError for a key gone mid-walk, RuntimeError for one added)."""
+    import os
+    import sys
+    import threading
+    import time
+
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", TOKEN)
+    for i in range(200):  # a longer walk: more thread switches fall inside one
+        monkeypatch.setenv(f"PIPELINE_TEST_PAD_{i}", "x")
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            os.environ["_MLFLOW_TELEMETRY_SESSION_ID"] = "s"
+            del os.environ["_MLFLOW_TELEMETRY_SESSION_ID"]
+
+    writer = threading.Thread(target=churn, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often (default 5 ms: longer than a walk)
+    writer.start()
+    calls = 0
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            assert redact(f"token {TOKEN}") == "token ***"
+            calls += 1
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(interval)
+    assert calls > 100
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("redact")
