@@ -1445,8 +1445,13 @@ def check_argvs(python: str, argvs: dict[str, list[str]]) -> dict:
 
 # -- record into benchmarks/results --------------------------------------------------------------------------------
 def record_into(out: Path, into: Path) -> dict:
+    """Add `out`'s record to `into` (`{"records": [...]}`), replacing one of the same date and plan;
+    returns its `done_when`. A file holding one bare record (as the first run's was committed) becomes
+    the first of the list."""
     rec = json.loads((out / "vllm_h200.json").read_text())
     data = json.loads(into.read_text()) if into.exists() else {"records": []}
+    if "records" not in data:
+        data = {"records": [data]}
     data["records"] = [
         x for x in data["records"] if not (x.get("date") == rec["date"] and x.get("plan") == rec["plan"])
     ]

@@ -123,6 +123,19 @@ def test_record_into_replaces_the_same_day_and_plan(tmp_path):
     assert [r["date"] for r in recs] == ["2026-11-30", "2026-12-01"] and "old" not in recs[1]
 
 
+def test_record_into_a_file_holding_one_bare_record(tmp_path):
+    """benchmarks/results/vllm_h200.json was committed as the first run's bare record: `record` raised
+    KeyError 'records' on it."""
+    (tmp_path / "vllm_h200.json").write_text(
+        json.dumps({"date": "2026-12-02", "plan": "main2", "done_when": {}})
+    )
+    into = tmp_path / "results.json"
+    into.write_text(json.dumps({"date": "2026-12-01", "plan": "main", "benchmark": "vllm_h200"}))
+    vb.record_into(tmp_path, into)
+    recs = json.loads(into.read_text())["records"]
+    assert [(r["date"], r["plan"]) for r in recs] == [("2026-12-01", "main"), ("2026-12-02", "main2")]
+
+
 def test_mtp_distillation_trains_and_writes_back_only_mtp(tiny_vl_base, tmp_path):
     """On the tiny VL base (CPU): drafts agree better with the target after the ridge fit and
     training; only `mtp.*` tensors change, names/shapes/dtypes and every other tensor stay."""
