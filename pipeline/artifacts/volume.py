@@ -377,13 +377,19 @@ _verified: dict[str, tuple] = {}
 
 
 def _signature(directory: Path) -> tuple:
+    """Per file: name, mode, size, mtime, ctime, inode. The ctime (ns) is what a rewrite cannot
+    put back: `touch -r`, `cp -p`, `rsync -a` and `os.utime` restore a file's mtime, and an
+    in-place write keeps its size and inode, but every change of content or metadata sets ctime
+    to now (POSIX `stat`)."""
     out = []
     for p in sorted(Path(directory).rglob("*")):
         try:
             st = p.lstat()
         except FileNotFoundError:
             continue
-        out.append((str(p.relative_to(directory)), st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino))
+        out.append(
+            (str(p.relative_to(directory)), st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        )
     return tuple(out)
 
 
@@ -392,8 +398,9 @@ def verify_version_dir(directory: Path, cache: bool = True) -> list[str]:
 
     Missing directory, missing/unreadable manifest, a file missing, extra or with another
     sha256 are each one problem. With `cache`, a directory verified intact earlier in this
-    process is not re-hashed while no file's size, mtime, inode or mode changed (a `fleet sync
-    --watch` pass stays cheap); a first check always hashes every byte.
+    process is not re-hashed while no file's size, mtime, ctime, inode or mode changed (a `fleet
+    sync --watch` pass stays cheap; ctime because an in-place rewrite can restore the mtime); a
+    first check always hashes every byte.
     """
     directory = Path(directory)
     if directory.is_symlink():
