@@ -123,6 +123,20 @@ def test_record_into_replaces_the_same_day_and_plan(tmp_path):
     assert [r["date"] for r in recs] == ["2026-11-30", "2026-12-01"] and "old" not in recs[1]
 
 
+def test_stale_kv_probe_is_inconclusive_when_its_control_differs_in_tokens():
+    """The 2026-12-02 H200 record: cold vs warm of the same adapter differed in tokens, the tolerance
+    became infinite and every verdict came out as if measured."""
+    inf = float("inf")
+    gaps = {"v1_vs_v2": inf, "repoint_vs_fresh_v2": 0.03, "repoint_vs_v1": inf, "versioned_vs_fresh_v2": 0.03}
+    rec = vb.stale_verdict(inf, gaps, 832.0, 832.0)
+    assert rec["inconclusive"] and rec["tolerance"] is None
+    assert rec["stale_kv_served"] is None and rec["repoint_answer_equals_fresh_v2"] is None
+    gaps = {"v1_vs_v2": 0.5, "repoint_vs_fresh_v2": 0.4, "repoint_vs_v1": 0.0, "versioned_vs_fresh_v2": 0.0}
+    rec = vb.stale_verdict(0.001, gaps, 832.0, 832.0)  # re-pointed, answered as v1 from the cache
+    assert "inconclusive" not in rec and rec["stale_kv_served"] and not rec["repoint_answer_equals_fresh_v2"]
+    assert rec["versioned_v2_equals_fresh_v2"] and rec["tolerance"] == 0.004
+
+
 def test_record_into_a_file_holding_one_bare_record(tmp_path):
     """benchmarks/results/vllm_h200.json was committed as the first run's bare record: `record` raised
     KeyError 'records' on it."""
