@@ -288,6 +288,13 @@ class CanarySection(_Section):
     base_gap_factor: float = Field(
         2.0, ge=1, description="quantized base: tolerance = max(threshold, factor x the base's own gap)"
     )
+    min_quantized_base_agreement: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="quantized base: below this token agreement of the base alone, a tolerance from its gap "
+        "proves nothing about the adapter and the canary fails (canary.base_gap)",
+    )
     min_speed_ratio: float | None = Field(
         None,
         ge=0,

@@ -164,6 +164,22 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
         "from_base_gap": quantized,
     }
     where = f"staging {res.staging} ({res.served.get('engine_model')})"
+    if quantized and base.agreement < c.min_quantized_base_agreement:
+        # A tolerance widened to a base that hardly agrees is no test: measured on the H200 (2026-12-02,
+        # benchmarks/RESULTS.md), an NVFP4 base agreeing on 0.023 made the floor -0.027 and the max diff 9.6 nats.
+        res.findings.append(
+            Finding(
+                "canary.base_gap",
+                "error",
+                f"the quantized base alone agrees with the reference on {base.agreement:.3f} of tokens (floor "
+                f"canary.min_quantized_base_agreement {c.min_quantized_base_agreement}; max logprob diff "
+                f"{base.max_logprob_diff:.4f} nats at {base.max_logprob_diff_at}) on {where}: a tolerance widened to "
+                f"that gap (min agreement {min_agree:.3f}, max diff {max_diff:.4f}) cannot tell a misapplied adapter "
+                f"from quantization; check that the served checkpoint is a quantization of this base, or run the "
+                f"canary on a staging instance serving the unquantized base",
+                where,
+            )
+        )
     if not base_ok and not quantized:
         res.findings.append(
             Finding(
