@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,14 @@ def eval_loss_gate(
         loss = float(candidate["eval_loss"])
     except (KeyError, ValueError):
         return f"candidate has no eval_loss to compare with production v{prod_version}'s {prod_loss!r}"
+    # NaN compares false with everything: `nan > x` let a diverged candidate through.
+    if not math.isfinite(loss):
+        return (
+            f"candidate eval_loss is {loss!r}: training diverged (see the run's train.log and grad_norm); "
+            f"production v{prod_version}'s is {prod_loss!r}"
+        )
+    if not math.isfinite(prod_loss):
+        return None  # production's own loss is no measure: nothing to compare with
     mine, theirs = candidate.get(registry.EVAL_SET_TAG), production.get(registry.EVAL_SET_TAG)
     if mine and theirs and mine != theirs:
         return (

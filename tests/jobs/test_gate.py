@@ -65,6 +65,16 @@ def test_losses_on_different_evaluation_sets_are_not_compared():
     assert eval_loss_gate(tags(5.0), {}, 0.05, 2) is None
 
 
+def test_a_loss_that_is_not_a_number_is_not_a_pass():
+    """`nan > production + margin` is False: a diverged candidate (eval_loss 'nan') passed the gate."""
+    assert eval_loss_gate(tags("nan"), tags(5.0), 0.05, 2).startswith(
+        "candidate eval_loss is nan: training diverged"
+    )
+    assert eval_loss_gate(tags("inf"), tags(5.0), 0.05, 2).startswith("candidate eval_loss is inf")
+    # production's own loss is no measure: the candidate is not held to it
+    assert eval_loss_gate(tags(5.0), tags("nan"), 0.05, 2) is None
+
+
 def test_registered_metrics_are_exact_and_name_the_evaluation_set(registry_project, tiny_base, tmp_path):
     """The registry kept `eval_loss` as 4 significant digits ('6.888'); the gate then compared a rounded
     production loss with an exact candidate. Siblings: train_loss and tokens_per_s."""
