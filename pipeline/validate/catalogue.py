@@ -119,7 +119,8 @@ DECLARED: tuple[Entry, ...] = (
     Entry(
         "canary.base_gap",
         "error",
-        "the engine disagrees with the PEFT reference on the base alone (precision, dtype, version)",
+        "the engine disagrees with the PEFT reference on the base alone (precision, dtype, version); for a "
+        "quantized base, its agreement is below `canary.min_quantized_base_agreement`",
         _CANARY,
     ),
     Entry(
