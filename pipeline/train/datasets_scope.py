@@ -12,12 +12,13 @@ the new key's prepared dataset held the old rows.
 
 The one setting that reaches every load and map of the run is the cache's location: the builder
 reads it when it is made (`DatasetBuilder.__init__`: `cache_dir or config.HF_DATASETS_CACHE`),
-from `$HF_DATASETS_CACHE` at import. `scoped(keyed)` sets it to `cache_dir(keyed)` in this process
-while the gate counts and `write_prepared` writes; `cache_dir(keyed)` as `$HF_DATASETS_CACHE` gives
-the trainer the same (it tokenizes only when nothing was prepared here). The key covers the data
-files' bytes (pipeline.train.prepared), so that cache can only hold the current rows, and a second
-pass over the same key (the gate, then `write_prepared`; a `pipeline run` checking, then training)
-reuses it. It goes when `prune` removes the key.
+from `$HF_DATASETS_CACHE` at import. `scoped(where)` sets it in this process while the gate counts
+and `write_prepared` writes; as `$HF_DATASETS_CACHE` it reaches the trainer (which tokenizes only
+when nothing was prepared here). `where` is `by_content(fingerprint)`: a directory of the library's
+own cache named by the data files' bytes (`DatasetReport.fingerprint`), so it can only hold rows of
+those bytes, and runs and projects reading the same bytes share it (a second pass, the next
+training on unchanged data, the test suite's many trainings on the shipped files: tokenized once).
+`cache_dir(keyed)` (under a prepared key) is the fallback where no fingerprint is at hand.
 """
 
 from __future__ import annotations
@@ -33,15 +34,24 @@ def cache_dir(keyed: Path) -> Path:
     return Path(keyed) / CACHE
 
 
+def by_content(dataset_fingerprint: str) -> Path:
+    """`<the datasets library's cache ($HF_DATASETS_CACHE)>/pipeline-by-content/<first 16 hex digits
+    of dataset_fingerprint>` (`DatasetReport.fingerprint`: every data file's bytes and role). Not
+    created here; call it outside `scoped` (which moves the library's cache)."""
+    from datasets import config
+
+    return Path(config.HF_DATASETS_CACHE) / "pipeline-by-content" / dataset_fingerprint[:16]
+
+
 @contextlib.contextmanager
-def scoped(keyed: Path):
-    """For the block: the datasets library caches under `cache_dir(keyed)` (created) and shows no
-    progress bars (they would go to the CLI's stderr); both settings are restored after.
-    Raises OSError when the directory cannot be created."""
+def scoped(where: Path):
+    """For the block: the datasets library caches under `where` (created; `by_content` or
+    `cache_dir`) and shows no progress bars (they would go to the CLI's stderr); both settings are
+    restored after. Raises OSError when the directory cannot be created."""
     import datasets
     from datasets import config
 
-    where = cache_dir(keyed)
+    where = Path(where)
     where.mkdir(parents=True, exist_ok=True)
     was_cache, was_bars = config.HF_DATASETS_CACHE, datasets.is_progress_bar_enabled()
     config.HF_DATASETS_CACHE = where

@@ -57,7 +57,7 @@ from pipeline.interrupt import Interrupted, shielded
 from pipeline.redact import copy_redacted
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.dataset import DatasetReport, check_datasets
-from pipeline.train.datasets_scope import cache_dir, scoped
+from pipeline.train.datasets_scope import by_content, scoped
 from pipeline.train.gate import (
     KEPT_PARAMS,
     GateUnavailable,
@@ -256,7 +256,7 @@ def check_inputs(
         more = f"\n  ... and {len(report.errors) - 30} more" if len(report.errors) > 30 else ""
         raise CheckFailed(f"dataset check failed ({len(report.errors)} errors):\n  {shown}{more}")
     keyed = prepared_dir(tc.data, report.fingerprint, cfg.state_dir, cfg.root)
-    report.kept = [sc.to_dict() for sc in dataset_gate(cfg, tc, allow, keyed)]
+    report.kept = [sc.to_dict() for sc in dataset_gate(cfg, tc, allow, keyed, by_content(report.fingerprint))]
     return report
 
 
@@ -297,15 +297,17 @@ def resolve(tc: TrainingConfig, run_dir: Path, cfg: ProjectConfig, prepared: Pat
     return d
 
 
-def dataset_gate(cfg: ProjectConfig, tc: TrainingConfig, allow: set[str], keyed: Path) -> list[SplitCount]:
+def dataset_gate(
+    cfg: ProjectConfig, tc: TrainingConfig, allow: set[str], keyed: Path, cache: Path
+) -> list[SplitCount]:
     """What axolotl keeps of the datasets (pipeline.train.gate, axolotl's own tokenisation and
-    filters with the run's tokenizer and template), read with the datasets library's cache under
-    the run's keyed `dataset_prepared_path` (pipeline.train.datasets_scope: the files' current
-    bytes, whatever their mtime; no progress bars); raises CheckFailed for a split with nothing
+    filters with the run's tokenizer and template), read with the datasets library's cache in
+    `cache` (pipeline.train.datasets_scope `by_content`: the files' current bytes, whatever their
+    mtime; no progress bars); `keyed`: the run's keyed `dataset_prepared_path`; raises CheckFailed for a split with nothing
     kept, or more than `train.max_dropped_share` dropped (unless --allow dataset.dropped).
     Returns [] when the base's tokenizer or config cannot be read here (a hub id not cached
     offline): axolotl then counts at training time as before."""
-    with scoped(keyed):
+    with scoped(cache):
         try:
             counts = count_kept(axolotl_view(tc, keyed))
         except GateUnavailable as e:  # no base config / tokenizer here: axolotl counts at training time
@@ -358,7 +360,8 @@ def prepare_datasets(cfg: ProjectConfig, tc: TrainingConfig, report: DatasetRepo
     Raises VolumeError when that place cannot be written, CheckFailed when the rows differ."""
     keyed = prepared_dir(tc.data, report.fingerprint, cfg.state_dir, cfg.root)
     try:
-        write_prepared(axolotl_view(tc, keyed), kept={k["split"]: k["kept"] for k in report.kept})
+        kept = {k["split"]: k["kept"] for k in report.kept}
+        write_prepared(axolotl_view(tc, keyed), kept=kept, cache=by_content(report.fingerprint))
     except (OSError, ValueError) as e:
         log.warning("the trainer prepares the datasets itself (%s)", str(e).splitlines()[0] if str(e) else e)
     else:
@@ -477,9 +480,9 @@ def train(
         {
             "PIPELINE_METRICS_FILE": str(metrics_file),
             "MLFLOW_TRACKING_URI": cfg.tracking_uri,
-            # the trainer's datasets cache is the key's too: when it tokenizes (nothing prepared here),
-            # the rows come from the files' bytes (pipeline.train.datasets_scope)
-            "HF_DATASETS_CACHE": str(cache_dir(keyed)),
+            # the trainer's datasets cache is named by the data's bytes too: when it tokenizes (nothing
+            # prepared here), the rows come from the files' bytes (pipeline.train.datasets_scope)
+            "HF_DATASETS_CACHE": str(by_content(ds_report.fingerprint)),
         }
         | ({"MLFLOW_RUN_ID": run_id} if run_id else {})
     )

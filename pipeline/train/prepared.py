@@ -16,9 +16,9 @@ its tokenizer files' bytes and the versions of the packages that tokenize. Then 
 axolotl's prepared datasets there itself, in this process, right after the dataset gate has
 tokenized the same rows (`pipeline.train.gate`). Both read the rows through the datasets
 library's cache, which keys a local file by its path and mtime, not its bytes: a file rewritten
-with its old mtime (`cp -p`, `rsync -a`) gave the old rows. So both run with that cache under the
-key (`pipeline.train.datasets_scope`, `<root>/<key>/hf-datasets`): it can only hold the current
-bytes' rows, and the second pass is cheap. Each split is built by axolotl's own functions in the
+with its old mtime (`cp -p`, `rsync -a`) gave the old rows. So both run with that cache in a
+directory named by the data files' bytes (`pipeline.train.datasets_scope.by_content`): it can only
+hold the current bytes' rows, the second pass is cheap, and runs on the same data share it. Each split is built by axolotl's own functions in the
 order `_load_raw_datasets` applies them; its rows must number what the gate kept (else
 CheckFailed: the files changed between the two); it is saved into a temporary directory and
 renamed into place, so a directory that exists is complete. The trainer finds it and tokenizes
@@ -54,7 +54,7 @@ from pathlib import Path
 from pipeline.artifacts.fingerprint import training_inputs
 from pipeline.artifacts.locks import private_lock, try_lock
 from pipeline.errors import CheckFailed, VolumeError
-from pipeline.train.datasets_scope import scoped
+from pipeline.train.datasets_scope import cache_dir, scoped
 from pipeline.train.gate import axolotl_cfg
 
 log = logging.getLogger("pipeline.train")
@@ -131,14 +131,17 @@ def prepared_dir(
     return keyed
 
 
-def write_prepared(data: dict, tokenizer=None, kept: dict[str, int] | None = None) -> list[Path]:
+def write_prepared(
+    data: dict, tokenizer=None, kept: dict[str, int] | None = None, cache: Path | None = None
+) -> list[Path]:
     """Write axolotl's prepared dataset of each split of `data` (the config as axolotl reads it, with
     its `dataset_prepared_path` already keyed) where axolotl's trainer looks for it; returns the
     split directories. A complete one already there is kept (same key, same content). The rows are
     read from the files' bytes, whatever their mtime (the module doc), without progress bars;
     temporary directories of dead writers are removed first.
 
-    `kept`: rows the dataset gate kept per split ("train", "test"; `SplitCount.kept`), checked
+    `cache`: the datasets library's cache for the rows (`datasets_scope.by_content`; default
+    `datasets_scope.cache_dir` of the key). `kept`: rows the dataset gate kept per split ("train", "test"; `SplitCount.kept`), checked
     before de-duplication. Nothing is written when axolotl would not load a prepared dataset
     (`skip_prepare_dataset`, streaming, pretraining datasets) or would look on the hub first
     (`push_dataset_to_hub`). Raises CheckFailed when a split's rows differ from `kept` (nothing
@@ -157,7 +160,7 @@ def write_prepared(data: dict, tokenizer=None, kept: dict[str, int] | None = Non
     for gone in remove_stale(root):
         log.debug("removed %s, left by a writer that died", gone)
     out = []
-    with scoped(root):
+    with scoped(cache or cache_dir(root)):
         for split, key in (("train", "datasets"), ("test", "test_datasets")):
             if cfg.get(key):
                 out.append(_write_split(cfg, tok, root, split, key, (kept or {}).get(split)))
