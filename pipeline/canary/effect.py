@@ -42,6 +42,14 @@ class Effect:
     correlation: float | None  # Pearson r of the per-token shifts
     base_gap_nats: float  # mean |engine base - reference base| log-prob of the same tokens
     adapter_gap_nats: float  # mean |engine adapter - reference adapter|
+    # positions left out because the ENGINE gave no finite log-probability (NaN, inf, vLLM's -9999 clamp of
+    # -inf) where the reference's were finite: an engine that puts no mass on a real token is broken there
+    engine_unusable: int = 0
+
+
+def _usable(v: float) -> bool:
+    """A log-probability that carries a value: finite and not vLLM's clamp of -inf (-9999.0)."""
+    return math.isfinite(v) and v > -9000
 
 
 def _pearson(a: list[float], b: list[float]) -> float | None:
@@ -66,17 +74,21 @@ def measure(
 
     The four arguments hold, per prompt, one value per continuation token; prompts must line up and
     each prompt's four lists have one length. Non-finite values (vLLM clamps -inf to -9999) drop that
-    position. Returns None when no position is left. Raises ValueError when the lists do not line up.
+    position; those where only the engine's are non-finite are counted in `engine_unusable`. Returns
+    None when no position is left. Raises ValueError when the lists do not line up.
     """
     d_eng, d_ref, gap_b, gap_a = [], [], [], []
+    engine_unusable = 0
     for i, rows in enumerate(zip(eng_adapter, eng_base, ref_adapter, ref_base, strict=True)):
         if len({len(r) for r in rows}) != 1:
             raise ValueError(
                 f"prompt {i}: teacher-forced scores of different lengths {[len(r) for r in rows]}"
             )
         for ea, eb, ra, rb in zip(*rows, strict=True):
-            vals = (ea, eb, ra, rb)
-            if not all(math.isfinite(v) and v > -9000 for v in vals):
+            if not (_usable(ra) and _usable(rb)):
+                continue
+            if not (_usable(ea) and _usable(eb)):
+                engine_unusable += 1
                 continue
             d_eng.append(ea - eb)
             d_ref.append(ra - rb)
@@ -94,4 +106,5 @@ def measure(
         correlation=_pearson(d_eng, d_ref),
         base_gap_nats=sum(gap_b) / n,
         adapter_gap_nats=sum(gap_a) / n,
+        engine_unusable=engine_unusable,
     )

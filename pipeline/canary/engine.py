@@ -43,6 +43,12 @@ def _generate(client, model: str, prompt: Prompt, max_tokens: int, top: int) -> 
     tokens = [_token_id(t) for t in lp.get("tokens") or []]
     tops = [{_token_id(k): float(v) for k, v in (d or {}).items()} for d in lp.get("top_logprobs") or []]
     n = int((reply.get("usage") or {}).get("completion_tokens") or len(tokens))
+    if n and not tokens:
+        raise CanaryError(
+            f"{client.instance.url}: {model} generated {n} token(s) but the reply carries no logprobs "
+            f"(choices[0].logprobs.tokens): the canary compares tokens and log-probabilities; serve with "
+            f"--max-logprobs >= canary.top_logprobs ({top}) and no proxy that strips them"
+        )
     return EngineOutput(tokens, tops), n
 
 
@@ -288,6 +294,15 @@ def run_canary(
                 [ref.token_logprobs(p.ids, y, True) for p, y in zip(prompts, ref_greedy, strict=True)],
                 [ref.token_logprobs(p.ids, y, False) for p, y in zip(prompts, ref_greedy, strict=True)],
             )
+            if effect is None:
+                notes.append(
+                    "teacher-forced scoring gave no position with finite log-probabilities: effect not measured"
+                )
+            elif effect.engine_unusable:
+                notes.append(
+                    f"the engine gave no finite log-probability at {effect.engine_unusable} teacher-forced "
+                    f"position(s) where the reference did: effect measured without them"
+                )
         del ref
     parity = {
         k: compare(prompts, o, scores[k], c.tie_margin) for k, o in (("base", base_out), ("adapter", ad_out))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from pipeline import registry
 from pipeline.canary.result import CanaryResult
@@ -61,7 +62,9 @@ def summary_tags(res: CanaryResult) -> dict[str, str]:
     if res.effect is not None:
         e = res.effect
         tags.update(
-            effect_retention=_r(e.retention),
+            # no retention where the engine gave unusable log-probabilities: it measured part of the tokens
+            effect_retention="" if e.engine_unusable else _r(e.retention),
+            effect_engine_unusable=str(e.engine_unusable) if e.engine_unusable else "",
             effect_nats=_r(e.engine_nats),
             reference_effect_nats=_r(e.reference_nats),
             effect_correlation=_r(e.correlation),
@@ -159,12 +162,23 @@ def gate(cfg: ProjectConfig, mv) -> list[str]:
             f"{where}: canary failed: {t.get(TAG + 'problems', '(no details)')}; fix and re-register, "
             f"then {how}"
         )
+    # The floors as configured now (they may be set after the canary ran). A floor is met only by a
+    # recorded figure: a missing or non-finite one fails it (it passed before, on no evidence).
     for floor, key, what in (
         (c.min_speed_ratio, "speed_ratio", "canary.min_speed_ratio"),
         (c.min_acceptance_ratio, "acceptance_ratio", "canary.min_acceptance_ratio"),
+        (c.min_effect_retention, "effect_retention", "canary.min_effect_retention"),
     ):
-        if floor is not None and t.get(TAG + key) and float(t[TAG + key]) < floor:
-            raise CheckFailed(f"{where}: canary {key} {float(t[TAG + key]):.3f} is below {what} {floor}")
+        if floor is None:
+            continue
+        value = _float(t.get(TAG + key))
+        if value is None:
+            raise CheckFailed(
+                f"{where}: {what} is {floor} but the recorded canary has no {key} (its staging engine did not "
+                f"measure it): {how} on an engine that measures it, or unset {what}"
+            )
+        if not value >= floor:
+            raise CheckFailed(f"{where}: canary {key} {value:.3f} is below {what} {floor}")
     warnings = []
     measured = t.get(TAG + "checkpoint")
     profile = f"{cfg.served.checkpoint}@{cfg.served.revision or '-'}"
@@ -187,3 +201,12 @@ def gate(cfg: ProjectConfig, mv) -> list[str]:
                     f"measured {engine[0]} ({engine[1]}) on staging: its figures may not hold there"
                 )
     return warnings
+
+
+def _float(text: str | None) -> float | None:
+    """A recorded figure as a finite float; None when absent, unparsable, NaN or infinite."""
+    try:
+        v = float(text) if text not in (None, "", "None") else None
+    except ValueError:
+        return None
+    return v if v is not None and math.isfinite(v) else None

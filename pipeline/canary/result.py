@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pipeline.canary.effect import Effect
+from pipeline.canary.effect import MIN_REFERENCE_NATS, Effect
 from pipeline.canary.prompts import Prompt
 from pipeline.config import CanarySection
 from pipeline.errors import CheckFailed
@@ -112,8 +112,10 @@ def compare(prompts: list[Prompt], outs: list[EngineOutput], scores, tie_margin:
                 if s.argmax_logprob - s.logprobs.get(tok, -math.inf) <= tie_margin:
                     tied += 1
             for t, lp in (o.top[j] if j < len(o.top) else {}).items():
-                if math.isfinite(lp) and t in s.logprobs:
-                    diff = abs(lp - s.logprobs[t])
+                if t in s.logprobs:
+                    # a NaN or inf from the engine is no agreement: skipping it let an engine that
+                    # returns NaN for every log-probability pass max_logprob_diff with 0.0
+                    diff = abs(lp - s.logprobs[t]) if math.isfinite(lp) else math.inf
                     p_max = max(p_max, diff)
                     if diff > max_diff:
                         max_diff, max_at = diff, f"{p.label}@{j}"
@@ -131,7 +133,7 @@ def compare(prompts: list[Prompt], outs: list[EngineOutput], scores, tie_margin:
         )
     return Parity(
         positions=positions,
-        agreement=(exact + tied) / positions if positions else 1.0,
+        agreement=(exact + tied) / positions if positions else 0.0,  # no token compared: nothing agreed
         exact=exact,
         tied=tied,
         first_divergence=first,
@@ -164,6 +166,18 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
         "from_base_gap": quantized,
     }
     where = f"staging {res.staging} ({res.served.get('engine_model')})"
+    for key, check in (("base", "canary.base_gap"), ("adapter", "canary.adapter_parity")):
+        if res.parity[key].positions == 0:
+            res.findings.append(
+                Finding(
+                    check,
+                    "error",
+                    f"the {key} pass generated no token to compare on {where} ({len(res.prompts)} prompts): "
+                    f"parity is not measured; check the engine's replies carry logprobs (--max-logprobs >= "
+                    f"canary.top_logprobs) and that the prompts fit its max_model_len",
+                    where,
+                )
+            )
     if quantized and base.agreement < c.min_quantized_base_agreement:
         # A tolerance widened to a base that hardly agrees is no test: measured on the H200 (2026-12-02,
         # benchmarks/RESULTS.md), an NVFP4 base agreeing on 0.023 made the floor -0.027 and the max diff 9.6 nats.
@@ -231,7 +245,26 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                 where,
             )
         )
-    if c.min_speed_ratio is not None and res.speed_ratio is not None and res.speed_ratio < c.min_speed_ratio:
+    # A floor the user set is met only by a measurement: a figure the engine did not give fails it
+    # (before, a missing figure skipped the floor and the canary passed on no evidence).
+    for floor, value, check, what in (
+        (
+            c.min_speed_ratio,
+            res.speed_ratio,
+            "canary.speed",
+            "the speed ratio (the engine reported no vllm:time_per_output_token_seconds)",
+        ),
+        (
+            c.min_acceptance_ratio,
+            res.acceptance_ratio,
+            "canary.acceptance",
+            "the acceptance ratio (the staging "
+            "engine drafted nothing: run it with the fleet's --speculative-config)",
+        ),
+    ):
+        if floor is not None and not _finite(value):
+            res.findings.append(Finding(check, "error", _unmeasured(what, check, floor, where), where))
+    if c.min_speed_ratio is not None and _finite(res.speed_ratio) and res.speed_ratio < c.min_speed_ratio:
         res.findings.append(
             Finding(
                 "canary.speed",
@@ -244,7 +277,7 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
         )
     if (
         c.min_acceptance_ratio is not None
-        and res.acceptance_ratio is not None
+        and _finite(res.acceptance_ratio)
         and res.acceptance_ratio < c.min_acceptance_ratio
     ):
         res.findings.append(
@@ -259,7 +292,36 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
         )
 
     eff = res.effect
-    if c.min_effect_retention is not None and eff is not None and eff.retention is not None:
+    if c.min_effect_retention is not None:
+        if eff is None:
+            why = "the effect (teacher-forced scoring failed or gave no usable position: see the notes)"
+        elif eff.engine_unusable:
+            why = (
+                f"the effect at {eff.engine_unusable} position(s), where the engine gave no finite log-probability "
+                f"and the reference did (NaN, inf or -9999 on a real token)"
+            )
+        elif not _finite(eff.retention):
+            why = (
+                f"the retention (the reference effect {eff.reference_nats:.3f} nats/token is below "
+                f"{MIN_REFERENCE_NATS}: the adapter hardly moves its own continuation)"
+            )
+        else:
+            why = None
+        if why is not None:
+            res.findings.append(
+                Finding(
+                    "canary.effect",
+                    "error",
+                    _unmeasured(why, "canary.effect", c.min_effect_retention, where),
+                    where,
+                )
+            )
+    if (
+        c.min_effect_retention is not None
+        and eff is not None
+        and _finite(eff.retention)
+        and not eff.engine_unusable
+    ):
         if eff.retention < c.min_effect_retention:
             res.findings.append(
                 Finding(
@@ -274,6 +336,20 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                     where,
                 )
             )
+
+
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _unmeasured(what: str, check: str, floor: float, where: str) -> str:
+    setting = {"canary.speed": "min_speed_ratio", "canary.acceptance": "min_acceptance_ratio"}.get(
+        check, "min_effect_retention"
+    )
+    return (
+        f"canary.{setting} is {floor} but {what} was not measured on {where}: a floor is met only by a "
+        f"measurement; fix the staging engine, or unset canary.{setting} if this engine cannot measure it"
+    )
 
 
 def _ms(s: float | None) -> str:

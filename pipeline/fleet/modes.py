@@ -19,6 +19,7 @@ layout rules and probes the version name. Pick one with `loading_mode(cfg)`.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Protocol
@@ -59,7 +60,19 @@ def _greedy(client: InstanceClient, model: str, prompt: str, n: int) -> tuple[li
     ignored so that exactly `n` come back (vLLM's `ignore_eos` and `return_tokens_as_token_ids`)."""
     reply = client.completion(model, prompt, n, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True)
     lp = reply["choices"][0].get("logprobs") or {}
-    return list(lp.get("tokens") or []), [float(x) for x in lp.get("token_logprobs") or [] if x is not None]
+    tokens, values = list(lp.get("tokens") or []), list(lp.get("token_logprobs") or [])
+    # No evidence is no effect: a reply without log-probabilities, or with NaN / inf ones, cannot show
+    # the adapter moved anything (a NaN compared as 'moved', so a NaN-emitting engine passed).
+    bad = [x for x in values if x is None or not math.isfinite(float(x))]
+    if not tokens or len(values) != len(tokens) or bad:
+        raise InstanceError(
+            f"{client.name}: canary: {model!r} answered {len(tokens)} token(s) with {len(values)} log-probabilities"
+            f"{f', {len(bad)} of them missing or not finite' if bad else ''} for fleet.canary_prompt: the "
+            f"adapter's effect cannot be judged; check the instance (--max-logprobs >= 1, a base whose "
+            f"logits are finite)",
+            check="fleet.canary_no_effect",
+        )
+    return tokens, [float(x) for x in values]
 
 
 def canary(client: InstanceClient, cfg: ProjectConfig, model: str) -> None:

@@ -96,7 +96,12 @@ DECLARED: tuple[Entry, ...] = (
     Entry(
         "fleet.root_mismatch", "error", "after a load, `/v1/models` lists another path for the name", _FLEET
     ),
-    Entry("fleet.canary_no_effect", "error", "greedy output through the adapter equals the base's", _FLEET),
+    Entry(
+        "fleet.canary_no_effect",
+        "error",
+        "greedy output through the adapter equals the base's, or its log-probabilities are missing or not finite",
+        _FLEET,
+    ),
     Entry("fleet.version_mismatch", "error", "`GET /version` differs from `fleet.vllm_version`", _FLEET),
     Entry(
         "fleet.model_mismatch",
@@ -120,7 +125,7 @@ DECLARED: tuple[Entry, ...] = (
         "canary.base_gap",
         "error",
         "the engine disagrees with the PEFT reference on the base alone (precision, dtype, version); for a "
-        "quantized base, its agreement is below `canary.min_quantized_base_agreement`",
+        "quantized base, its agreement is below `canary.min_quantized_base_agreement`; or no base token was compared",
         _CANARY,
     ),
     Entry(
@@ -132,25 +137,28 @@ DECLARED: tuple[Entry, ...] = (
     Entry(
         "canary.adapter_parity",
         "error",
-        "token agreement or logprob difference with the PEFT reference beyond `canary` tolerances",
+        "token agreement or logprob difference with the PEFT reference beyond `canary` tolerances (a NaN or inf "
+        "log-probability is beyond any), or no adapter token was compared",
         _CANARY,
     ),
     Entry(
         "canary.speed",
         "error",
-        "decode speed with the adapter below `canary.min_speed_ratio` of the base's",
+        "decode speed with the adapter below `canary.min_speed_ratio` of the base's, or not measured while that is set",
         _CANARY,
     ),
     Entry(
         "canary.acceptance",
         "error",
-        "MTP acceptance length with the adapter below `canary.min_acceptance_ratio` of the base's",
+        "MTP acceptance length with the adapter below `canary.min_acceptance_ratio` of the base's, or not measured "
+        "while that is set",
         _CANARY,
     ),
     Entry(
         "canary.effect",
         "error",
-        "the adapter's effect on the served base below `canary.min_effect_retention` of PEFT's",
+        "the adapter's effect on the served base below `canary.min_effect_retention` of PEFT's, or not measured "
+        "(or with non-finite engine log-probabilities) while that is set",
         _CANARY,
     ),
 )

@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from pipeline.canary import judge
+from pipeline.canary.effect import Effect
+
 # Shape of vLLM 0.32's exposition (names and labels as the CPU build prints them, FLEET_NOTES.md).
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -245,3 +248,79 @@ def test_quantized_is_what_the_staging_engine_serves(tmp_path):
     assert _quantized(cfg, "Qwen/Qwen3.6-27B-NVFP4") is True  # not readable here: the fleet profile's
     cfg.canary.quantized = False
     assert _quantized(cfg, str(nvfp4)) is False
+
+
+def test_compare_counts_a_non_finite_engine_logprob_as_unbounded():
+    """Sibling of the NaN eval-loss gate: a NaN engine log-probability was skipped, so an engine returning
+    NaN for every one had max_logprob_diff 0.0 and passed."""
+    import math
+
+    from pipeline.canary import EngineOutput, Prompt, compare
+    from pipeline.canary.reference import PositionScore
+
+    prompts = [Prompt("p", [1, 2])]
+    scores = [[PositionScore(5, -1.0, {5: -1.0, 6: -2.0})]]
+    nan = compare(prompts, [EngineOutput([5], [{5: math.nan, 6: -2.0}])], scores, 0.01)
+    assert nan.max_logprob_diff == math.inf and nan.max_logprob_diff_at == "p@0"
+    ok = compare(prompts, [EngineOutput([5], [{5: -1.01, 6: -2.0}])], scores, 0.01)
+    assert ok.max_logprob_diff == pytest.approx(0.01)
+    # no token compared: nothing agreed (it was 1.0)
+    assert compare(prompts, [EngineOutput([], [])], [[]], 0.01).agreement == 0.0
+
+
+def test_a_canary_without_compared_tokens_fails():
+    from pipeline.config import ProjectConfig
+
+    res = _result(1.0, 0.0, 1.0, 0.0, quantized=False)
+    res.parity["adapter"].positions = 0
+    judge(ProjectConfig().canary, res, [], [])
+    assert res.verdict == "fail" and res.findings[0].id == "canary.adapter_parity"
+    assert "generated no token to compare" in res.problems[0]
+
+
+@pytest.mark.parametrize(
+    "floor, unmeasured, check, words",
+    [
+        ("min_speed_ratio", lambda r: setattr(r, "speed_ratio", None), "canary.speed", "speed ratio"),
+        ("min_speed_ratio", lambda r: setattr(r, "speed_ratio", float("nan")), "canary.speed", "speed ratio"),
+        ("min_acceptance_ratio", lambda r: None, "canary.acceptance", "drafted nothing"),
+        ("min_effect_retention", lambda r: None, "canary.effect", "teacher-forced scoring failed"),
+        (
+            "min_effect_retention",
+            lambda r: setattr(r, "effect", Effect(4, 0.01, 0.0, None, None, 0.1, 0.1)),
+            "canary.effect",
+            "hardly moves",
+        ),
+        (
+            "min_effect_retention",
+            lambda r: setattr(r, "effect", Effect(4, 2.0, 2.0, 1.0, 0.9, 0.1, 0.1, engine_unusable=3)),
+            "canary.effect",
+            "at 3 position(s)",
+        ),
+    ],
+)
+def test_a_floor_is_met_only_by_a_measurement(floor, unmeasured, check, words):
+    """A floor the user set was skipped when the engine gave no figure (no TPOT histogram, no drafts, effect
+    not scored): the canary passed on no evidence. Without the floor the same result passes."""
+    from pipeline.config import ProjectConfig
+
+    res = _result(1.0, 0.0, 1.0, 0.0, quantized=False)
+    unmeasured(res)
+    c = ProjectConfig().canary
+    judge(c, res, [], [])
+    assert res.verdict == "pass", res.problems
+    res.findings = []
+    setattr(c, floor, 0.5)
+    judge(c, res, [], [])
+    assert res.verdict == "fail" and [f.id for f in res.findings] == [check]
+    assert words in res.problems[0] and f"canary.{floor} is 0.5" in res.problems[0]
+
+
+def test_effect_counts_positions_the_engine_could_not_score():
+    from pipeline.canary.effect import measure
+
+    e = measure([[float("nan"), -1.0]], [[-1.0, -2.0]], [[-1.0, -1.0]], [[-2.0, -2.0]])
+    assert e.positions == 1 and e.engine_unusable == 1
+    # the reference's own non-finite value is no engine fault
+    e = measure([[-1.0, -1.0]], [[-2.0, -2.0]], [[float("nan"), -1.0]], [[-2.0, -2.0]])
+    assert e.positions == 1 and e.engine_unusable == 0

@@ -94,3 +94,26 @@ def test_the_publish_canary_compares_tokens_and_logprobs_not_text(tmp_path):
     with pytest.raises(InstanceError, match="no effect") as e:
         canary(_Replies({base: (eos, [-0.1] * 8), "zero": (eos, same)}), cfg, "zero")
     assert e.value.check == "fleet.canary_no_effect" and "token_id:248046" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        (["token_id:7"] * 8, [float("nan")] * 8),  # NaN compared as 'moved': a NaN-emitting engine passed
+        (["token_id:7"] * 8, [-0.1] * 7 + [float("inf")]),
+        (["token_id:7"] * 8, [-0.1] * 7 + [None]),
+        ([], []),  # a reply without logprobs
+    ],
+)
+def test_the_publish_canary_refuses_replies_it_cannot_judge(tmp_path, reply):
+    """No evidence is no effect: a reply whose log-probabilities are missing or not finite fails the canary,
+    on the base's side or the adapter's."""
+    from pipeline.fleet.client import InstanceError
+    from pipeline.fleet.modes import canary
+
+    cfg = _cfg(tmp_path, vllm_version="0.25.1")
+    base, good = cfg.served_base_name, (["token_id:7"] * 8, [-0.1] * 8)
+    for replies in ({base: good, "a": reply}, {base: reply, "a": good}):
+        with pytest.raises(InstanceError, match="cannot be judged") as e:
+            canary(_Replies(replies), cfg, "a")
+        assert e.value.check == "fleet.canary_no_effect"

@@ -122,3 +122,34 @@ def test_the_canary_floor_compares_the_exact_ratio(ratio, passes):
     else:
         with pytest.raises(CheckFailed, match="speed_ratio 0.800 is below canary.min_speed_ratio 0.8"):
             gate(cfg, mv)
+
+
+@pytest.mark.parametrize(
+    "floor, tag, value, words",
+    [
+        ("min_speed_ratio", "speed_ratio", None, "has no speed_ratio"),
+        ("min_speed_ratio", "speed_ratio", "nan", "has no speed_ratio"),  # nan < floor is False: it passed
+        ("min_acceptance_ratio", "acceptance_ratio", None, "has no acceptance_ratio"),
+        ("min_effect_retention", "effect_retention", None, "has no effect_retention"),
+        ("min_effect_retention", "effect_retention", "0.4", "effect_retention 0.400 is below"),
+    ],
+)
+def test_publish_gate_floor_needs_a_recorded_figure(floor, tag, value, words):
+    """A floor set after (or for) a canary whose engine did not measure the figure passed publish's gate: the
+    gate skipped a missing tag, and a recorded NaN compares false; canary.min_effect_retention was not read."""
+    from types import SimpleNamespace
+
+    from pipeline.canary.record import gate, summary_tags
+    from pipeline.errors import CheckFailed
+    from tests.canary.test_canary_units import _result
+
+    tags = summary_tags(_result(1.0, 0.0, 1.0, 0.0, quantized=False))
+    tags.pop("canary." + tag, None)
+    if value is not None:
+        tags["canary." + tag] = value
+    mv = SimpleNamespace(name="a", version=1, tags=tags)
+    cfg = ProjectConfig()
+    gate(cfg, mv)  # no floor: the recorded pass stands
+    setattr(cfg.canary, floor, 0.5)
+    with pytest.raises(CheckFailed, match=words):
+        gate(cfg, mv)

@@ -14,7 +14,12 @@ from tests.support.helpers import REPO
 
 ID = re.compile(r"^(dataset|fleet|canary)\.[a-z_]+$")
 # Strings of that shape that are no finding id: MLflow tag names and config fields of the canary record.
-NOT_FINDINGS = {"canary.report", "canary.min_speed_ratio", "canary.min_acceptance_ratio"}
+NOT_FINDINGS = {
+    "canary.report",
+    "canary.min_speed_ratio",
+    "canary.min_acceptance_ratio",
+    "canary.min_effect_retention",
+}
 
 
 def _reported() -> dict[str, set[str]]:
