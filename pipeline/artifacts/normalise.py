@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,13 +235,14 @@ def rename_layout(adapter_dir: Path, architecture: str, rng) -> dict | None:
             f"{cfg.path}: renaming changes the scale or targeting of {sorted(set(bad))[:5]}: left unchanged"
         )
     out = {renames.get(n, n): v for n, v in tensors.items()}
-    write_safetensors(wfile, out, {**meta, "format": "pt"})
-    written = read_safetensors_header(wfile)
-    check = wfile.read_bytes()
-    for name, (_, _, data) in tensors.items():
-        info = written[renames.get(name, name)]
-        if check[info.offset : info.offset + info.nbytes] != data:
-            raise ParityError(f"{wfile}: tensor {name} changed while renaming")
+
+    def verify(written, check: bytes) -> None:
+        for name, (_, _, data) in tensors.items():
+            info = written[renames.get(name, name)]
+            if check[info.offset : info.offset + info.nbytes] != data:
+                raise ParityError(f"{wfile}: tensor {name} changed while renaming: left unchanged")
+
+    _rewrite(wfile, out, {**meta, "format": "pt"}, verify)
     if raw != cfg.raw:
         write_json_atomic(cfg.path, raw)
     modules = sorted({parse_key(n).peft_module for n in renames})
@@ -300,19 +303,20 @@ def fold_patterns(adapter_dir: Path, rng) -> dict | None:
     bad = [m for m in modules if not math.isclose(new_cfg.scale_for(m), glob, rel_tol=REL_TOL)]
     if bad:
         raise ParityError(f"{cfg.path}: folding patterns leaves {bad[:5]} with another scale: left unchanged")
-    write_safetensors(wfile, out, {**meta, "format": "pt"})
-    written = read_safetensors_header(wfile)
-    blob = wfile.read_bytes()
-    for name, (dtype, _, data) in tensors.items():
-        k = parse_key(name)
-        if not (k and k.kind == "B"):
-            continue
-        info = written[name]
-        new_b = _to_f32(blob[info.offset : info.offset + info.nbytes], info.dtype) * glob
-        old_b = _to_f32(data, dtype) * cfg.scale_for(k.peft_module)
-        tol = 1e-6 * max(float(np.abs(old_b).max()), 1e-30)
-        if float(np.abs(new_b - old_b).max()) > tol:
-            raise ParityError(f"{wfile}: folded {name} differs from the trained delta")
+
+    def verify(written, blob: bytes) -> None:
+        for name, (dtype, _, data) in tensors.items():
+            k = parse_key(name)
+            if not (k and k.kind == "B"):
+                continue
+            info = written[name]
+            new_b = _to_f32(blob[info.offset : info.offset + info.nbytes], info.dtype) * glob
+            old_b = _to_f32(data, dtype) * cfg.scale_for(k.peft_module)
+            tol = 1e-6 * max(float(np.abs(old_b).max()), 1e-30)
+            if not float(np.abs(new_b - old_b).max()) <= tol:  # a NaN proves no parity (nan > tol is False)
+                raise ParityError(f"{wfile}: folded {name} differs from the trained delta: left unchanged")
+
+    _rewrite(wfile, out, {**meta, "format": "pt"}, verify)
     write_json_atomic(cfg.path, raw)
     return {
         "vllm": rng.name,
@@ -337,6 +341,21 @@ def ensure_format_metadata(adapter_dir: Path) -> dict | None:
     tensors, meta = _read_tensors(wfile)
     write_safetensors(wfile, tensors, {**meta, "format": "pt"})
     return {"before": meta or None, "after": {**meta, "format": "pt"}}
+
+
+def _rewrite(wfile: Path, tensors: dict, meta: dict, verify: Callable[[dict, bytes], None]) -> None:
+    """Replace `wfile` with `tensors` only once `verify(header, bytes)` of the written copy passes.
+
+    The copy is a sibling file renamed over `wfile`; when `verify` raises (ParityError) or the write
+    fails, the copy is removed and `wfile` is as it was.
+    """
+    tmp = wfile.with_name(f".{wfile.name}.{os.getpid()}.rewrite")
+    try:
+        write_safetensors(tmp, tensors, meta)
+        verify(read_safetensors_header(tmp), tmp.read_bytes())
+        os.replace(tmp, wfile)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _to_f32(data: bytes, dtype: str):

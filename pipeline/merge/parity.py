@@ -19,6 +19,7 @@ Needs a checkpoint transformers can load as a causal LM (the text layout): the 2
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pipeline.artifacts.checkpoint import read_checkpoint
@@ -120,6 +121,7 @@ def _check_parity(base_dir, adapter_dir, merged_dir, dtype, prompts, max_new_tok
         for text, ids, lb in zip(prompts, inputs, base_logits, strict=True):
             lr, lm = ref(ids).logits, merged(ids).logits
             diff = (lr - lm).abs().max().item()
+            diff = diff if math.isfinite(diff) else math.inf  # NaN: max() below would drop it and pass
             worst, scale = max(worst, diff), max(scale, lr.abs().max().item())
             effect = max(effect, (lr - lb).abs().max().item())
             gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)

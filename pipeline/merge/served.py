@@ -54,6 +54,15 @@ class ServedParityFailed(CheckFailed):
     """The merged model does not behave like the adapter hot-loaded on the base, beyond the tolerance (exit 1)."""
 
 
+def _gap(a: float, b: float) -> float:
+    """|a - b| in nats; a NaN, or an infinity on one side only, is an unbounded gap (it was skipped, so
+    an engine answering NaN everywhere had max_logprob_diff 0.0)."""
+    if a == b:
+        return 0.0
+    d = abs(a - b)
+    return d if math.isfinite(d) else math.inf
+
+
 def compare_outputs(
     labels: list[str], hot: list[EngineOutput], merged: list[EngineOutput], tie_margin: float
 ) -> dict:
@@ -66,8 +75,8 @@ def compare_outputs(
             ht = h.top[j] if j < len(h.top) else {}
             mt = m.top[j] if j < len(m.top) else {}
             for t in set(ht) & set(mt):
-                if math.isfinite(ht[t]) and math.isfinite(mt[t]) and abs(ht[t] - mt[t]) > worst:
-                    worst, worst_at = abs(ht[t] - mt[t]), f"{label}@{j}"
+                if _gap(ht[t], mt[t]) > worst:
+                    worst, worst_at = _gap(ht[t], mt[t]), f"{label}@{j}"
             compared += 1
             if a == b:
                 agreeing += 1
@@ -86,7 +95,7 @@ def compare_outputs(
         per.append({"prompt": label, "tokens": len(h.tokens), "first_divergence": div})
     return {
         "compared": compared,
-        "agreement": agreeing / compared if compared else 1.0,
+        "agreement": agreeing / compared if compared else 0.0,  # no token compared: nothing agreed
         "identical_prompts": identical,
         "prompts": len(labels),
         "near_ties": ties,
@@ -175,6 +184,8 @@ def run_served_parity(
         )
     parity = compare_outputs([p.label for p in prompts], hot_out, merged_out, c.tie_margin)
     reasons = []
+    if not parity["compared"]:
+        reasons.append("no token compared: an engine generated nothing, or its replies carry no logprobs")
     if parity["agreement"] < min_agreement:
         reasons.append(f"token agreement {parity['agreement']:.3f} < {min_agreement}")
     if parity["max_logprob_diff"] > max_logprob_diff:

@@ -295,6 +295,31 @@ def test_parity_gate_catches_a_wrong_merge(tiny_base, adapter, tmp_path):
     assert "logit difference" in v["reasons"][0]
 
 
+def test_parity_gate_fails_a_merge_whose_logits_are_nan(tiny_base, adapter, tmp_path):
+    """A NaN logit difference was dropped by max() (max(0.0, nan) is 0.0) and compared false against the
+    tolerance: a merge with a NaN weight passed the logit check on no evidence."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.merge.parity import check_parity
+
+    bad = tmp_path / "nan-merge"
+    shutil.copytree(tiny_base, bad)
+    for w in bad.glob("*.safetensors"):
+        t = load_file(str(w))
+        key = next((k for k in t if k.endswith("norm.weight") and "layers" not in k), None)
+        if key:
+            t[key] = torch.full_like(t[key], float("nan"))
+            save_file(t, str(w), metadata={"format": "pt"})
+    v = check_parity(
+        tiny_base, adapter, bad, prompts=["Call the get_weather tool."], max_new_tokens=2, threads=1
+    )
+    assert v["verdict"] == "fail" and v["max_abs_diff"] == float("inf")
+    assert "logit difference| inf >" in v["reasons"][0]
+
+
 def test_mismatch_is_a_check_failure():
     from pipeline.cli._common import exit_code_for
 

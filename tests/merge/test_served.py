@@ -42,6 +42,20 @@ def test_a_near_tie_divergence_agrees():
     assert abs(p["max_logprob_diff"] - 0.10) < 1e-9 and p["max_logprob_diff_at"] == "a@1"
 
 
+def test_a_nan_logprob_is_an_unbounded_difference():
+    """A NaN (or an infinity on one side) was skipped: an engine answering NaN everywhere had
+    max_logprob_diff 0.0 and the served parity passed."""
+    nan = float("nan")
+    hot = [out([1, 2])]
+    merged = [out([1, 2], [{1: nan, 2: -2.5}, {2: -0.1, 3: -2.5}])]
+    p = compare_outputs(["a"], hot, merged, 0.5)
+    assert p["max_logprob_diff"] == float("inf") and p["max_logprob_diff_at"] == "a@0"
+    same_inf = [out([1], [{1: float("-inf")}])]
+    assert compare_outputs(["a"], same_inf, same_inf, 0.5)["max_logprob_diff"] == 0.0
+    # nothing compared: nothing agreed (it was 1.0)
+    assert compare_outputs(["a"], [out([])], [out([])], 0.5)["agreement"] == 0.0
+
+
 def _rec(tmp_path, verdict="pass"):
     d = tmp_path / "merged"
     d.mkdir()

@@ -478,3 +478,20 @@ def test_publish_output_with_every_rewrite_passes_validate(tmp_path, monkeypatch
     assert again.passed and not again.warnings, [
         (c.id, c.message) for c in again.checks if c.severity != "info"
     ]
+
+
+def test_fold_patterns_proves_no_parity_with_a_nan(tiny_base, tmp_path):
+    """The fold's parity check compared `max |new - old| > tol`, false for NaN: a lora_B holding a NaN was
+    rewritten and called parity-proven. Now it is refused and the adapter left as it was."""
+    from safetensors.torch import load_file, save_file
+
+    src = peft_adapter(tiny_base, tmp_path / "src", r=8, alpha=16, alpha_pattern={"down_proj": 64})
+    w = src / WEIGHTS_FILE
+    t = load_file(str(w))
+    key = next(k for k in t if "down_proj.lora_B" in k)
+    t[key][0, 0] = float("nan")
+    save_file(t, str(w), metadata={"format": "pt"})
+    before = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    with pytest.raises(ParityError, match="differs from the trained delta"):
+        normalise_for_serving(src, None, V19)
+    assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
