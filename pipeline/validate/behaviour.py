@@ -237,7 +237,8 @@ def skipped(ctx: AdapterFacts):
 @check(
     "behaviour.eval_loss",
     "error",
-    "adapter's assistant-token NLL on the validation set > the base's (or non-finite)",
+    "adapter's assistant-token NLL on the validation set > the base's (or either non-finite, or no "
+    "assistant token to measure)",
     option="behaviour",
 )
 def eval_loss_worse(ctx: AdapterFacts):
@@ -245,7 +246,22 @@ def eval_loss_worse(ctx: AdapterFacts):
     if not stats or "eval_loss_adapter" not in stats:
         return
     lora, base, n = stats["eval_loss_adapter"], stats["eval_loss_base"], stats["eval_tokens"]
-    if not math.isfinite(lora):
+    # the comparison needs a measured baseline: with no assistant token both losses are NaN, and a NaN
+    # base loss made `lora > base` False, so any adapter passed
+    if not n:
+        yield Issue(
+            f"no assistant tokens in {stats['conversations']} validation conversations: eval loss not measured; "
+            "check that the chat template marks assistant turns ({% generation %} or the role markers) and "
+            "that the conversations have assistant messages",
+            str(ctx.adapter_dir),
+        )
+    elif not math.isfinite(base):
+        yield Issue(
+            f"eval loss of the base alone is {base}: no baseline to compare the adapter with; the base "
+            "checkpoint (--base) produces non-finite logits on the validation set",
+            str(ctx.base_dir or ""),
+        )
+    elif not math.isfinite(lora):
         yield Issue(
             f"eval loss with the adapter is {lora}: the adapter produces non-finite logits; retrain",
             str(ctx.adapter_dir),

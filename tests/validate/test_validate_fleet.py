@@ -274,6 +274,38 @@ def test_behaviour_without_validation_data(good_adapter, tiny_base):  # noqa: F8
     assert only(rep, "behaviour.no_data").severity == "warning"
 
 
+def test_behaviour_without_assistant_tokens_says_so(good_adapter, tiny_base, tmp_path):  # noqa: F811
+    """Validation conversations with no assistant turn: both losses are NaN, and the finding blamed the
+    adapter ('non-finite logits; retrain'). It names the data now."""
+    f = tmp_path / "val.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    rep = validate_adapter(good_adapter, tiny_base, behaviour=True, validation_files=[f])
+    c = only(rep, "behaviour.eval_loss")
+    assert c.severity == "error" and "no assistant tokens in 1 validation conversations" in c.message
+
+
+@pytest.mark.parametrize(
+    "lora, base, words",
+    [
+        (1.0, float("nan"), "eval loss of the base alone is nan"),  # lora > nan is False: it passed
+        (float("nan"), 1.0, "eval loss with the adapter is nan"),
+        (2.0, 1.0, "> base 1.0000"),
+    ],
+)
+def test_eval_loss_rule_needs_a_measured_baseline(tmp_path, lora, base, words):
+    """The rule on given measurements (a base whose own loss is NaN while the adapter's is finite cannot be
+    built from a tiny model: a context stand-in carries the figures)."""
+    from types import SimpleNamespace
+
+    from pipeline.validate.behaviour import eval_loss_worse
+    from pipeline.validate.facts import Fact
+
+    stats = {"eval_loss_adapter": lora, "eval_loss_base": base, "eval_tokens": 12, "conversations": 1}
+    ctx = SimpleNamespace(behaviour=Fact(stats), stats={}, adapter_dir=tmp_path, base_dir=tmp_path)
+    (issue,) = list(eval_loss_worse(ctx))
+    assert words in issue.message
+
+
 def test_cli_never_prints_a_traceback_on_hostile_adapters(project, good_adapter, tiny_vl_base, tmp_path):  # noqa: F811
     """Issue 16.3 through the CLI: symlink, weights directory, NaN alpha, NaN r, overlapping tensors -> exit 1."""
     import os
