@@ -115,7 +115,7 @@ def _shipped(mv) -> bool:
 
 
 def eval_loss_gate(
-    candidate: dict[str, str], production: dict[str, str], margin: float, prod_version: int
+    candidate: dict[str, str], production: dict[str, str], margin: float, prod_version: int | None
 ) -> str | None:
     """Why the candidate's eval loss keeps it from replacing production, or None. Tags in, no I/O.
 
@@ -125,20 +125,16 @@ def eval_loss_gate(
     allowance: identical retrains differ by up to the measured run-to-run range
     (docs/registry.md, "Gates on the version").
     """
-    try:
-        prod_loss = float(production["eval_loss"])
-    except (KeyError, ValueError):
+    # A candidate's own non-finite loss is refused first, whatever production has (with no production
+    # loss, or no production at all, a NaN candidate shipped). NaN compares false: `nan > x` let it through.
+    loss = _tag_float(candidate, "eval_loss")
+    if loss is not None and not math.isfinite(loss):
+        return f"candidate eval_loss is {loss!r}: training diverged (see the run's train.log and grad_norm)"
+    prod_loss = _tag_float(production, "eval_loss")
+    if prod_loss is None:
         return None  # nothing to compare with: production predates eval losses
-    try:
-        loss = float(candidate["eval_loss"])
-    except (KeyError, ValueError):
+    if loss is None:
         return f"candidate has no eval_loss to compare with production v{prod_version}'s {prod_loss!r}"
-    # NaN compares false with everything: `nan > x` let a diverged candidate through.
-    if not math.isfinite(loss):
-        return (
-            f"candidate eval_loss is {loss!r}: training diverged (see the run's train.log and grad_norm); "
-            f"production v{prod_version}'s is {prod_loss!r}"
-        )
     if not math.isfinite(prod_loss):
         return None  # production's own loss is no measure: nothing to compare with
     mine, theirs = candidate.get(registry.EVAL_SET_TAG), production.get(registry.EVAL_SET_TAG)
@@ -155,15 +151,24 @@ def eval_loss_gate(
     return None
 
 
+def _tag_float(tags: dict, key: str) -> float | None:
+    """`tags[key]` as a float (NaN and inf kept), None when absent or not a number."""
+    try:
+        return float(tags[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _gate(cfg: ProjectConfig, name: str, version: int, report_verdict: str) -> str | None:
-    """Why the candidate must not ship, or None when it may: validation, then eval loss against production."""
+    """Why the candidate must not ship, or None when it may: validation, then eval loss against production
+    (a non-finite eval loss of the candidate holds it back also when nothing is in production)."""
     if report_verdict != "pass":
         return f"validation verdict {report_verdict!r}"
     prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
-    if prod is None or prod == version:
+    if prod == version:
         return None
     candidate = registry.resolve_version(cfg, name, version=version).tags or {}
-    production = registry.resolve_version(cfg, name, version=prod).tags or {}
+    production = (registry.resolve_version(cfg, name, version=prod).tags or {}) if prod is not None else {}
     return eval_loss_gate(candidate, production, cfg.run.eval_loss_margin, prod)
 
 

@@ -43,6 +43,7 @@ class SplitCount:
     too_short: int = 0  # < min_sample_len
     no_trainable: int = 0  # every label -100 (dropped with sample packing only)
     truncated: int = 0  # excess_length_strategy truncate: cut to sequence_len, kept
+    labelled: bool = False  # the processed rows carry labels (chat_template does): trainable tokens counted
     files: list[dict] = field(default_factory=list)
 
     @property
@@ -134,6 +135,7 @@ def count_kept(data: dict, tokenizer=None) -> list[SplitCount]:
                 dataset_config=dcfg, cfg=cfg, tokenizer=tok, split=split, seed=cfg.seed
             )
             n, tokens, trainable, lengths = _stats(ds)
+            sc.labelled = sc.labelled or "labels" in ds.column_names
             kept = handle_long_seq_in_dataset(ds, seq, cfg)
             if packed and len(kept):
                 kept, _ = process_datasets_for_packing(cfg, kept, None)
@@ -165,8 +167,8 @@ def count_kept(data: dict, tokenizer=None) -> list[SplitCount]:
 
 
 def gate_problems(counts: list[SplitCount], max_share: float, allow: set[str] = frozenset()) -> list[str]:
-    """Refusals for the counted splits: nothing kept (always), or more than `max_share` of a split's
-    conversations or trainable tokens dropped (unless `dataset.dropped` is allowed)."""
+    """Refusals for the counted splits: nothing kept, or nothing trainable kept (always), or more than
+    `max_share` of a split's conversations or trainable tokens dropped (unless `dataset.dropped` is allowed)."""
     out = []
     name = {"train": "datasets", "test": "test_datasets"}
     for sc in counts:
@@ -176,6 +178,14 @@ def gate_problems(counts: list[SplitCount], max_share: float, allow: set[str] = 
                 f"{where}: axolotl keeps none of the {sc.conversations} conversations "
                 f"(dropped: {sc.reasons()}), so training would fail after loading the model. Shorten the "
                 f"conversations, raise sequence_len, or set excess_length_strategy: truncate"
+            )
+        elif sc.labelled and sc.kept_trainable_tokens == 0:
+            # rows kept but every label -100 (unpacked rows are not dropped for it): training learns
+            # nothing, and an eval split gives a NaN eval loss that the gates downstream cannot compare
+            out.append(
+                f"{where}: axolotl keeps {sc.kept} of {sc.conversations} conversations but none has a trainable "
+                f"token (every label -100): check roles_to_train / train_on_inputs and that the conversations "
+                f"have assistant turns the chat template marks"
             )
         elif ALLOW_ID not in allow and (
             sc.dropped_share > max_share or sc.dropped_trainable_share > max_share

@@ -73,6 +73,10 @@ def test_a_loss_that_is_not_a_number_is_not_a_pass():
     assert eval_loss_gate(tags("inf"), tags(5.0), 0.05, 2).startswith("candidate eval_loss is inf")
     # production's own loss is no measure: the candidate is not held to it
     assert eval_loss_gate(tags(5.0), tags("nan"), 0.05, 2) is None
+    # sibling: with no production loss, or no production version (an adapter's first), a NaN candidate shipped
+    assert eval_loss_gate(tags("nan"), {}, 0.05, 2).startswith("candidate eval_loss is nan")
+    assert eval_loss_gate(tags("nan"), {}, 0.05, None).startswith("candidate eval_loss is nan")
+    assert eval_loss_gate(tags(5.0), {}, 0.05, None) is None
 
 
 def test_registered_metrics_are_exact_and_name_the_evaluation_set(registry_project, tiny_base, tmp_path):

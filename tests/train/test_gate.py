@@ -41,6 +41,24 @@ def test_counts_follow_axolotls_filters(tiny_base, tmp_path, monkeypatch):
     assert gate_problems([train], 1.0) == []
 
 
+def test_a_split_with_no_trainable_token_is_refused(tiny_base, tmp_path, monkeypatch):
+    """Every label -100 without packing: rows are kept, so the dropped shares were 0.0 and the gate passed;
+    the eval split then gave a NaN eval loss (and a train split trains on nothing)."""
+    import json
+
+    monkeypatch.chdir(REPO)
+    users = tmp_path / "users.jsonl"
+    users.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n" for i in range(5))
+    )
+    _, view = _view(tiny_base, tmp_path)
+    view["test_datasets"][0]["path"] = str(users)
+    train, test = count_kept(view)
+    assert test.kept == 5 and test.labelled and test.kept_trainable_tokens == 0
+    (msg,) = gate_problems([train, test], 0.1, {"dataset.dropped"})
+    assert "test_datasets" in msg and "none has a trainable token" in msg
+
+
 def test_truncation_and_packing_siblings(tiny_base, tmp_path, monkeypatch):
     """excess_length_strategy truncate keeps long rows (cut); with packing, rows cut down to the prompt
     have no trainable token left and axolotl drops them: counted as such, not as too long."""
