@@ -113,9 +113,9 @@ def compare(prompts: list[Prompt], outs: list[EngineOutput], scores, tie_margin:
                     tied += 1
             for t, lp in (o.top[j] if j < len(o.top) else {}).items():
                 if t in s.logprobs:
-                    # a NaN or inf from the engine is no agreement: skipping it let an engine that
-                    # returns NaN for every log-probability pass max_logprob_diff with 0.0
-                    diff = abs(lp - s.logprobs[t]) if math.isfinite(lp) else math.inf
+                    # a NaN or inf (or vLLM's -9999 clamp of -inf) on either side is no agreement: skipping
+                    # it let an engine returning NaN for every log-probability pass max_logprob_diff with 0.0
+                    diff = abs(lp - s.logprobs[t]) if _usable(lp) and _usable(s.logprobs[t]) else math.inf
                     p_max = max(p_max, diff)
                     if diff > max_diff:
                         max_diff, max_at = diff, f"{p.label}@{j}"
@@ -166,6 +166,18 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
         "from_base_gap": quantized,
     }
     where = f"staging {res.staging} ({res.served.get('engine_model')})"
+    if not _finite(base.max_logprob_diff):
+        # an unbounded base gap would widen a quantized tolerance to infinity (any adapter passes)
+        res.findings.append(
+            Finding(
+                "canary.base_gap",
+                "error",
+                f"a NaN, infinite or -inf-clamped (-9999) log-probability on the BASE alone at "
+                f"{base.max_logprob_diff_at} on {where} (engine or PEFT reference): the base gap is unbounded "
+                f"and no tolerance can be set from it; check the served checkpoint, the engine's dtype and --base",
+                where,
+            )
+        )
     for key, check in (("base", "canary.base_gap"), ("adapter", "canary.adapter_parity")):
         if res.parity[key].positions == 0:
             res.findings.append(
@@ -194,7 +206,7 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                 where,
             )
         )
-    if not base_ok and not quantized:
+    if not base_ok and not quantized and _finite(base.max_logprob_diff):
         res.findings.append(
             Finding(
                 "canary.base_gap",
@@ -336,6 +348,11 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                     where,
                 )
             )
+
+
+def _usable(v: float) -> bool:
+    """A log-probability that carries a value: finite and not vLLM's clamp of -inf (-9999.0)."""
+    return math.isfinite(v) and v > -9000
 
 
 def _finite(v: float | None) -> bool:

@@ -31,7 +31,7 @@ def merge_parity(
         typer.Option(help="the adapter's path as the hot instance sees it (default: the manifest's)"),
     ] = None,
     min_agreement: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="token agreement floor")
+        float, typer.Option(min=0.0, max=1.0, callback=finite, help="token agreement floor")
     ] = MIN_AGREEMENT,
     max_logprob_diff: Annotated[
         float, typer.Option(min=0.0, callback=finite, help="largest logprob difference, nats")

@@ -146,10 +146,18 @@ def _check_parity(base_dir, adapter_dir, merged_dir, dtype, prompts, max_new_tok
                 }
             )
         tol = ROUNDINGS * UNIT_ROUNDOFF[dtype] * max(scale, 1e-6)
+        if not math.isfinite(tol):
+            # an infinite reference logit makes the tolerance infinite: every difference and every
+            # divergence (margin <= 2 x inf) would pass
+            reasons.append(
+                f"the reference's logits are not finite (max |logit| {scale}): no tolerance can be set; "
+                f"check the adapter's values (pipeline validate) and the base"
+            )
         for p in per_prompt:
             if p["first_divergence"] is None:
                 continue
-            if p["ref_margin_at_divergence"] is not None and p["ref_margin_at_divergence"] <= 2 * tol:
+            margin = p["ref_margin_at_divergence"]
+            if margin is not None and math.isfinite(tol) and margin <= 2 * tol:
                 ties += 1  # the reference itself was undecided within rounding
             else:
                 reasons.append(

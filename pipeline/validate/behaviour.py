@@ -37,13 +37,17 @@ CANARIES = [
 ]
 
 
-def validation_files_from_manifest(adapter_dir: Path) -> list[Path]:
-    """The validation JSONL files recorded in the adapter's manifest.json (those that still exist)."""
+def listed_validation_files(adapter_dir: Path) -> list[Path]:
+    """The validation JSONL files the adapter's manifest.json lists (none without a readable manifest)."""
     try:
-        files = read_adapter_manifest(adapter_dir).dataset.validation_files()
+        return read_adapter_manifest(adapter_dir).dataset.validation_files()
     except (FileNotFoundError, ValueError):
         return []
-    return [f for f in files if f.is_file()]
+
+
+def validation_files_from_manifest(adapter_dir: Path) -> list[Path]:
+    """The validation JSONL files recorded in the adapter's manifest.json (those that still exist)."""
+    return [f for f in listed_validation_files(adapter_dir) if f.is_file()]
 
 
 def _conversations(files: list[Path]) -> list[dict]:
@@ -187,9 +191,15 @@ def evaluate(adapter_dir: Path, base_dir: Path, validation_files: list[Path] | N
             "transformers-loadable checkpoint"
         ) from e
     model.eval()
+    missing = []
+    if validation_files is None:
+        listed = listed_validation_files(adapter_dir)
+        missing = [str(f) for f in listed if not f.is_file()]
     files = validation_files if validation_files is not None else validation_files_from_manifest(adapter_dir)
     convs = _conversations(files)
     stats: dict = {"validation_files": [str(f) for f in files], "conversations": len(convs)}
+    if missing:
+        stats["missing_validation_files"] = missing
     if convs:
         with model.disable_adapter():
             base_loss, n = eval_loss(model, tok, convs)
@@ -237,12 +247,22 @@ def skipped(ctx: AdapterFacts):
 @check(
     "behaviour.eval_loss",
     "error",
-    "adapter's assistant-token NLL on the validation set > the base's (or either non-finite, or no "
-    "assistant token to measure)",
+    "adapter's assistant-token NLL on the validation set > the base's (or either non-finite, no "
+    "assistant token to measure, or the manifest's validation files missing)",
     option="behaviour",
 )
 def eval_loss_worse(ctx: AdapterFacts):
     stats = _result(ctx)[0]
+    if stats and stats.get("missing_validation_files") and not stats["conversations"]:
+        # the manifest names held-out data that is not here: the comparison did not run (a warning
+        # saying 'manifest lists none' let the verdict pass)
+        yield Issue(
+            f"the manifest's validation files are not here ({', '.join(stats['missing_validation_files'][:3])}): "
+            "eval loss not compared; run `pipeline validate --behaviour` where the training data is, at the "
+            "paths manifest.json records",
+            str(ctx.adapter_dir),
+        )
+        return
     if not stats or "eval_loss_adapter" not in stats:
         return
     lora, base, n = stats["eval_loss_adapter"], stats["eval_loss_base"], stats["eval_tokens"]
@@ -278,7 +298,7 @@ def eval_loss_worse(ctx: AdapterFacts):
 @check("behaviour.no_data", "warning", "`--behaviour` without validation conversations", option="behaviour")
 def no_data(ctx: AdapterFacts):
     stats = _result(ctx)[0]
-    if stats is not None and not stats["conversations"]:
+    if stats is not None and not stats["conversations"] and not stats.get("missing_validation_files"):
         yield Issue(
             "no validation conversations (manifest lists none): eval loss not compared; train with test_datasets",
             str(ctx.adapter_dir),

@@ -324,3 +324,34 @@ def test_effect_counts_positions_the_engine_could_not_score():
     # the reference's own non-finite value is no engine fault
     e = measure([[-1.0, -1.0]], [[-2.0, -2.0]], [[float("nan"), -1.0]], [[-2.0, -2.0]])
     assert e.positions == 1 and e.engine_unusable == 0
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_an_unbounded_base_gap_fails_instead_of_widening_the_tolerance(quantized):
+    """A quantized base's gap sets the tolerance (factor x its max diff): one NaN on the base pass made that
+    diff inf, the tolerance inf, and an adapter 50 nats off passed."""
+    import math
+
+    from pipeline.config import ProjectConfig
+
+    res = _result(0.9, math.inf, 0.9, 50.0, quantized=quantized)
+    judge(ProjectConfig().canary, res, [], [])
+    assert res.verdict == "fail" and res.findings[0].id == "canary.base_gap"
+    assert "the base gap is unbounded" in res.problems[0]
+
+
+def test_compare_counts_a_reference_nan_and_the_engines_clamp_as_unbounded():
+    import math
+
+    from pipeline.canary import EngineOutput, Prompt, compare
+    from pipeline.canary.reference import PositionScore
+
+    prompts = [Prompt("p", [1, 2])]
+    ref_nan = [[PositionScore(5, -1.0, {5: -1.0, 6: math.nan})]]
+    assert (
+        compare(prompts, [EngineOutput([5], [{5: -1.0, 6: -2.0}])], ref_nan, 0.01).max_logprob_diff
+        == math.inf
+    )
+    ref = [[PositionScore(5, -1.0, {5: -1.0, 6: -2.0})]]
+    clamp = compare(prompts, [EngineOutput([5], [{5: -1.0, 6: -9999.0}])], ref, 0.01)
+    assert clamp.max_logprob_diff == math.inf

@@ -320,6 +320,29 @@ def test_parity_gate_fails_a_merge_whose_logits_are_nan(tiny_base, adapter, tmp_
     assert "logit difference| inf >" in v["reasons"][0]
 
 
+def test_parity_gate_sets_no_tolerance_from_infinite_reference_logits(tiny_base, adapter, tmp_path):
+    """An infinite reference logit made the tolerance infinite (4 x roundoff x max |logit|): `inf > inf` is
+    False and every divergence counted as a tie (margin <= 2 x inf)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.merge.parity import check_parity
+
+    huge = tmp_path / "huge-base"
+    shutil.copytree(tiny_base, huge)
+    for w in huge.glob("*.safetensors"):
+        t = load_file(str(w))
+        key = next((k for k in t if k.endswith("embed_tokens.weight") or k.endswith("lm_head.weight")), None)
+        if key:
+            t[key] = torch.full_like(t[key], 1e38)
+            save_file(t, str(w), metadata={"format": "pt"})
+    v = check_parity(huge, adapter, huge, prompts=["Call the get_weather tool."], max_new_tokens=2, threads=1)
+    assert v["verdict"] == "fail"
+    assert any("logits are not finite" in r for r in v["reasons"]), v["reasons"]
+
+
 def test_mismatch_is_a_check_failure():
     from pipeline.cli._common import exit_code_for
 

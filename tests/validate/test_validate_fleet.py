@@ -284,6 +284,29 @@ def test_behaviour_without_assistant_tokens_says_so(good_adapter, tiny_base, tmp
     assert c.severity == "error" and "no assistant tokens in 1 validation conversations" in c.message
 
 
+def test_behaviour_with_the_manifests_validation_files_missing_fails(good_adapter, tiny_base, tmp_path):  # noqa: F811
+    """The manifest lists a validation file that is not here: the eval-loss comparison did not run and the
+    only finding was the warning 'manifest lists none', so the verdict passed."""
+    from pipeline.artifacts.manifest import (
+        AdapterManifest,
+        DatasetFile,
+        DatasetRecord,
+        file_hashes,
+        write_manifest,
+    )
+
+    d = Path(shutil.copytree(good_adapter, tmp_path / "a"))
+    gone = tmp_path / "moved" / "val.jsonl"
+    man = AdapterManifest(
+        files=file_hashes(d), dataset=DatasetRecord(files=[DatasetFile(path=str(gone), role="validation")])
+    )
+    write_manifest(d, man)
+    rep = validate_adapter(d, tiny_base, behaviour=True)
+    c = only(rep, "behaviour.eval_loss")
+    assert c.severity == "error" and str(gone) in c.message and not rep.passed
+    assert "behaviour.no_data" not in {x.id for x in rep.checks}
+
+
 @pytest.mark.parametrize(
     "lora, base, words",
     [
