@@ -883,7 +883,8 @@ def summary(out_dirs: list[Path]) -> list[dict]:
                     "seq": r["seq"],
                     "gpus": r["gpus"],
                     "packing": r["packing"],
-                    "ok": r["rc"] == 0,
+                    # a run that exits 0 with a NaN or inf loss is no result
+                    "ok": r["rc"] == 0 and all(math.isfinite(float(x["loss"])) for x in r.get("steps", [])),
                     "tokens_per_s": s.get("tokens_per_s"),
                     "trainable_tokens_per_s": s.get("trainable_tokens_per_s"),
                     "mfu": round(100 * s["mfu"], 2) if s.get("mfu") else None,
@@ -914,7 +915,9 @@ def scaling(rows: list[dict], one: str = "l64-s4096-1gpu-ga2") -> list[dict]:
             {
                 "name": r["name"],
                 "scaling_efficiency": round(r["tokens_per_s"] / (r["gpus"] * ref["tokens_per_s"]), 4),
-                "max_rel_loss_diff_vs_1gpu": max(diffs) if diffs else None,
+                "max_rel_loss_diff_vs_1gpu": (
+                    (math.inf if any(not math.isfinite(d) for d in diffs) else max(diffs)) if diffs else None
+                ),
                 "steps_compared": n,
             }
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -429,11 +430,18 @@ def extrapolate(rows: list[dict], n_full: int, peak: float | None, datasheet: fl
             ):
                 la, lb = row["losses"][L], ref["losses"][L]
                 ga, gb = row["grad_norms"][L], ref["grad_norms"][L]
-                row["loss_max_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(la, lb, strict=False))
-                row["grad_norm_max_rel_diff"] = max(
-                    abs(x - y) / abs(y) for x, y in zip(ga, gb, strict=False) if y
+                row["loss_max_rel_diff"] = _worst([abs(x - y) / abs(y) for x, y in zip(la, lb, strict=False)])
+                row["grad_norm_max_rel_diff"] = _worst(
+                    [abs(x - y) / abs(y) for x, y in zip(ga, gb, strict=False) if y]
                 )
     return out
+
+
+def _worst(xs: list[float]) -> float | None:
+    """The largest difference; inf when any is NaN or inf (max() drops a NaN that is not first)."""
+    if not xs:
+        return None
+    return math.inf if any(not math.isfinite(x) for x in xs) else max(xs)
 
 
 def table(rows: list[dict], peak: float | None) -> str:
@@ -519,7 +527,7 @@ def main() -> int:
         f"gpu={gpu} measured bf16 matmul={peak} TFLOP/s datasheet={datasheet} params(64 layers)={n_full}",
         flush=True,
     )
-    rows = []
+    rows, dead = [], []
     for v in a.variants.split(","):
         seqs = a.seqs or ",".join(str(s) for s in VARIANTS[v][1])
         cmd = [
@@ -555,6 +563,8 @@ def main() -> int:
             print(f"  {v}: {short}", flush=True)
         if rc != 0 or not got:
             print(f"  {v}: rc={rc}\n{tail}", flush=True)
+        if rc != 0:  # a worker that died after some cases: the cases it did not report failed
+            dead.append(f"{v}: worker exit {rc} after {len(got)} case(s)")
         if a.raw:
             with open(a.raw, "a") as f:
                 for r in got:
@@ -577,7 +587,9 @@ def main() -> int:
     )
     print(table(summary, peak))
     failed = [r for r in rows if not r.get("ok")]
-    return 1 if not rows or (a.smoke and failed) else 0
+    for d in dead:
+        print(f"FAILED {d}", flush=True)
+    return 1 if not rows or (a.smoke and (failed or dead)) else 0
 
 
 if __name__ == "__main__":

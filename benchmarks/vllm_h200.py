@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -1033,10 +1034,14 @@ def _answer(url: str, model: str, prompt, k: int) -> tuple[list[int], list[float
 
 
 def _gap(x, y) -> float:
-    """inf when the greedy tokens differ, else the largest log-prob difference of the same tokens."""
+    """inf when the greedy tokens differ or a log-prob is not finite (max() would drop a NaN), else the
+    largest log-prob difference of the same tokens."""
     if x[0] != y[0]:
         return float("inf")
-    return max((abs(p - q) for p, q in zip(x[1], y[1], strict=True)), default=0.0)
+    diffs = [abs(p - q) for p, q in zip(x[1], y[1], strict=True)]
+    if any(not math.isfinite(d) for d in diffs):
+        return float("inf")
+    return max(diffs, default=0.0)
 
 
 def st_stale_kv(ctx: Ctx) -> dict:
@@ -1102,6 +1107,7 @@ def stale_verdict(control: float, gaps: dict[str, float], warm_hits: float, repo
     control's own tokens differ (inf: near-ties, or a cache that changes numerics) no gap can be told
     from numerics, and every verdict is None with `inconclusive` saying why (the 2026-12-02 H200 run
     reported True for such a probe: every gap is <= an infinite tolerance)."""
+    control = control if math.isfinite(control) else float("inf")  # NaN: max(1e-4, nan) was 1e-4
     tol = max(1e-4, 4 * control) if control != float("inf") else float("inf")
     rec = {
         "control_cold_vs_warm_gap": None if control == float("inf") else control,

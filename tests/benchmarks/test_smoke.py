@@ -126,6 +126,41 @@ def test_packing_check_counts_a_nan_as_the_worst_difference():
     assert max([1e-5, math.nan]) == 1e-5  # the builtin's behaviour this guards against
 
 
+def test_gpu_benchmark_summaries_do_not_drop_a_nan(tmp_path):
+    """axolotl_h200: a run exiting 0 with a NaN loss read ok, and max() dropped a NaN loss difference;
+    train_throughput's per-step comparison dropped it the same way."""
+    import json
+    import math
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import axolotl_h200
+        import train_throughput
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    steps = [{"loss": 2.0, "grad_norm": 1.0}, {"loss": math.nan, "grad_norm": 1.0}]
+    recs = [
+        {
+            "name": n,
+            "layers": 64,
+            "seq": 4096,
+            "gpus": g,
+            "packing": False,
+            "rc": 0,
+            "sets": [],
+            "steps": st,
+            "summary": {"tokens_per_s": 100.0},
+        }
+        for n, g, st in (("l64-s4096-1gpu-ga2", 1, steps[:1] * 2), ("two", 2, steps))
+    ]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = axolotl_h200.summary([tmp_path])
+    assert [r["ok"] for r in rows] == [True, False]
+    (sc,) = axolotl_h200.scaling(rows)
+    assert sc["max_rel_loss_diff_vs_1gpu"] == math.inf
+    assert train_throughput._worst([0.1, math.nan]) == math.inf and train_throughput._worst([]) is None
+
+
 def test_recompute_sweep_smoke(smokes):
     out = smokes["recompute_sweep"].result()
     assert "phases: as planned" in out

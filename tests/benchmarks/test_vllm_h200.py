@@ -135,6 +135,10 @@ def test_stale_kv_probe_is_inconclusive_when_its_control_differs_in_tokens():
     rec = vb.stale_verdict(0.001, gaps, 832.0, 832.0)  # re-pointed, answered as v1 from the cache
     assert "inconclusive" not in rec and rec["stale_kv_served"] and not rec["repoint_answer_equals_fresh_v2"]
     assert rec["versioned_v2_equals_fresh_v2"] and rec["tolerance"] == 0.004
+    # a NaN control became tolerance 1e-4 (max(1e-4, nan)); a NaN log-prob was dropped by _gap's max()
+    assert vb.stale_verdict(float("nan"), gaps, 832.0, 832.0)["inconclusive"]
+    assert vb._gap(([1, 2], [-0.1, float("nan")]), ([1, 2], [-0.1, -0.2])) == inf
+    assert vb._gap(([1, 2], [-0.1, -0.3]), ([1, 2], [-0.1, -0.2])) == pytest.approx(0.1)
 
 
 def test_record_into_a_file_holding_one_bare_record(tmp_path):
