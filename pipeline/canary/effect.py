@@ -47,7 +47,7 @@ class Effect:
     engine_unusable: int = 0
 
 
-def _usable(v: float) -> bool:
+def usable_logprob(v: float) -> bool:
     """A log-probability that carries a value: finite and not vLLM's clamp of -inf (-9999.0)."""
     return math.isfinite(v) and v > -9000
 
@@ -85,9 +85,9 @@ def measure(
                 f"prompt {i}: teacher-forced scores of different lengths {[len(r) for r in rows]}"
             )
         for ea, eb, ra, rb in zip(*rows, strict=True):
-            if not (_usable(ra) and _usable(rb)):
+            if not (usable_logprob(ra) and usable_logprob(rb)):
                 continue
-            if not (_usable(ea) and _usable(eb)):
+            if not (usable_logprob(ea) and usable_logprob(eb)):
                 engine_unusable += 1
                 continue
             d_eng.append(ea - eb)

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pipeline.canary.effect import MIN_REFERENCE_NATS, Effect
+from pipeline.canary.effect import MIN_REFERENCE_NATS, Effect, usable_logprob
 from pipeline.canary.prompts import Prompt
 from pipeline.config import CanarySection
 from pipeline.errors import CheckFailed
@@ -115,7 +115,11 @@ def compare(prompts: list[Prompt], outs: list[EngineOutput], scores, tie_margin:
                 if t in s.logprobs:
                     # a NaN or inf (or vLLM's -9999 clamp of -inf) on either side is no agreement: skipping
                     # it let an engine returning NaN for every log-probability pass max_logprob_diff with 0.0
-                    diff = abs(lp - s.logprobs[t]) if _usable(lp) and _usable(s.logprobs[t]) else math.inf
+                    diff = (
+                        abs(lp - s.logprobs[t])
+                        if usable_logprob(lp) and usable_logprob(s.logprobs[t])
+                        else math.inf
+                    )
                     p_max = max(p_max, diff)
                     if diff > max_diff:
                         max_diff, max_at = diff, f"{p.label}@{j}"
@@ -348,11 +352,6 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                     where,
                 )
             )
-
-
-def _usable(v: float) -> bool:
-    """A log-probability that carries a value: finite and not vLLM's clamp of -inf (-9999.0)."""
-    return math.isfinite(v) and v > -9000
 
 
 def _finite(v: float | None) -> bool:
