@@ -206,7 +206,8 @@ def write_safetensors(
     """Write a safetensors file: {name: (dtype, shape, raw little-endian bytes)} in the given order.
 
     The header is padded with spaces to a multiple of 8 bytes, as the safetensors writer does;
-    `metadata` becomes `__metadata__` (strings only). Written to `path` + `.tmp`, fsynced, renamed.
+    `metadata` becomes `__metadata__` (strings only). Written to `path` + `.tmp`, fsynced, renamed; the
+    `.tmp` is removed when the write fails.
     Raises HeaderError if a tensor's byte count disagrees with its dtype and shape.
     """
     path = Path(path)
@@ -227,11 +228,15 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, _, data in tensors.values():
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, _, data in tensors.values():
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or an interrupt leaves no partial copy next to the file
+        tmp.unlink(missing_ok=True)
+        raise

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipeline.serving.vllm import usable_logprob
+
 MIN_REFERENCE_NATS = 0.05
 
 
@@ -45,11 +47,6 @@ class Effect:
     # positions left out because the ENGINE gave no finite log-probability (NaN, inf, vLLM's -9999 clamp of
     # -inf) where the reference's were finite: an engine that puts no mass on a real token is broken there
     engine_unusable: int = 0
-
-
-def usable_logprob(v: float) -> bool:
-    """A log-probability that carries a value: finite and not vLLM's clamp of -inf (-9999.0)."""
-    return math.isfinite(v) and v > -9000
 
 
 def _pearson(a: list[float], b: list[float]) -> float | None:

@@ -46,8 +46,8 @@ def _generate(client, model: str, prompt: Prompt, max_tokens: int, top: int) -> 
     if n and not tokens:
         raise CanaryError(
             f"{client.instance.url}: {model} generated {n} token(s) but the reply carries no logprobs "
-            f"(choices[0].logprobs.tokens): the canary compares tokens and log-probabilities; serve with "
-            f"--max-logprobs >= canary.top_logprobs ({top}) and no proxy that strips them"
+            f"(choices[0].logprobs.tokens): tokens and log-probabilities are compared; serve with "
+            f"--max-logprobs >= {top} (canary.top_logprobs) and no proxy that strips them"
         )
     return EngineOutput(tokens, tops), n
 

@@ -174,8 +174,9 @@ def gate(cfg: ProjectConfig, mv) -> list[str]:
         value = _float(t.get(TAG + key))
         if value is None:
             raise CheckFailed(
-                f"{where}: {what} is {floor} but the recorded canary has no {key} (its staging engine did not "
-                f"measure it): {how} on an engine that measures it, or unset {what}"
+                f"{where}: {what} is {floor} but the recorded canary has no {key} (not measured, or not "
+                f"defined for this adapter: see the canary's notes in `pipeline status`): {how} on an engine that "
+                f"measures it, or unset {what}"
             )
         if not value >= floor:
             raise CheckFailed(f"{where}: canary {key} {value:.3f} is below {what} {floor}")

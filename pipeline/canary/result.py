@@ -6,11 +6,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pipeline.canary.effect import MIN_REFERENCE_NATS, Effect, usable_logprob
+from pipeline.canary.effect import MIN_REFERENCE_NATS, Effect
 from pipeline.canary.prompts import Prompt
 from pipeline.config import CanarySection
 from pipeline.errors import CheckFailed
 from pipeline.findings import Finding
+from pipeline.serving.vllm import usable_logprob
 
 
 class CanaryError(CheckFailed):
@@ -210,7 +211,7 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                 where,
             )
         )
-    if not base_ok and not quantized and _finite(base.max_logprob_diff):
+    if not base_ok and not quantized and _finite(base.max_logprob_diff) and base.positions:
         res.findings.append(
             Finding(
                 "canary.base_gap",
@@ -223,8 +224,8 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
             )
         )
     bad_agree, bad_diff = ad.agreement < min_agree, ad.max_logprob_diff > max_diff
-    if not (bad_agree or bad_diff):
-        pass
+    if not (bad_agree or bad_diff) or not ad.positions:
+        pass  # nothing compared is reported above, not as a parity or adapter-is-base failure
     elif res.engine_adapter_equals_base:
         hint = (
             f"modules outside the instance's --lora-target-modules ({', '.join(outside)})"
@@ -316,11 +317,6 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                 f"the effect at {eff.engine_unusable} position(s), where the engine gave no finite log-probability "
                 f"and the reference did (NaN, inf or -9999 on a real token)"
             )
-        elif not _finite(eff.retention):
-            why = (
-                f"the retention (the reference effect {eff.reference_nats:.3f} nats/token is below "
-                f"{MIN_REFERENCE_NATS}: the adapter hardly moves its own continuation)"
-            )
         else:
             why = None
         if why is not None:
@@ -329,6 +325,18 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                     "canary.effect",
                     "error",
                     _unmeasured(why, "canary.effect", c.min_effect_retention, where),
+                    where,
+                )
+            )
+        elif not _finite(eff.retention):  # the engine is fine: the adapter itself moves too little to measure
+            res.findings.append(
+                Finding(
+                    "canary.effect",
+                    "error",
+                    f"canary.min_effect_retention is {c.min_effect_retention} but the adapter's own effect on "
+                    f"its continuation is {eff.reference_nats:.3f} nats/token with PEFT on the bf16 base (below "
+                    f"{MIN_REFERENCE_NATS}): too small for a retention to be measured on {where}; check that the "
+                    f"adapter was trained (pipeline validate --behaviour), or unset canary.min_effect_retention",
                     where,
                 )
             )

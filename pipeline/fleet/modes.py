@@ -19,7 +19,6 @@ layout rules and probes the version name. Pick one with `loading_mode(cfg)`.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +31,7 @@ from pipeline.fleet.client import InstanceClient, InstanceError, Unreachable
 from pipeline.fleet.instances import InstanceReport, instance_path
 from pipeline.fleet.state import load_state
 from pipeline.serving.swap import SwapPlan, swap_plan
+from pipeline.serving.vllm import usable_logprob
 
 
 class LoadingMode(Protocol):
@@ -61,9 +61,9 @@ def _greedy(client: InstanceClient, model: str, prompt: str, n: int) -> tuple[li
     reply = client.completion(model, prompt, n, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True)
     lp = reply["choices"][0].get("logprobs") or {}
     tokens, values = list(lp.get("tokens") or []), list(lp.get("token_logprobs") or [])
-    # No evidence is no effect: a reply without log-probabilities, or with NaN / inf ones, cannot show
-    # the adapter moved anything (a NaN compared as 'moved', so a NaN-emitting engine passed).
-    bad = [x for x in values if x is None or not math.isfinite(float(x))]
+    # No evidence is no effect: a reply without log-probabilities, or with NaN / inf / -9999 (vLLM's -inf)
+    # ones, cannot show the adapter moved anything (a NaN compared as 'moved': a NaN-emitting engine passed).
+    bad = [x for x in values if not usable_logprob(None if x is None else float(x))]
     if not tokens or len(values) != len(tokens) or bad:
         raise InstanceError(
             f"{client.name}: canary: {model!r} answered {len(tokens)} token(s) with {len(values)} log-probabilities"

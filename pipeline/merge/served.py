@@ -43,6 +43,7 @@ from pipeline.canary.result import CanaryError, EngineOutput
 from pipeline.config import Instance, ProjectConfig, http_base_url
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.fleet.client import InstanceClient, InstanceError
+from pipeline.serving.vllm import usable_logprob
 from pipeline.validate.behaviour import validation_files_from_manifest
 
 MIN_AGREEMENT = 0.95
@@ -55,12 +56,9 @@ class ServedParityFailed(CheckFailed):
 
 
 def _gap(a: float, b: float) -> float:
-    """|a - b| in nats; a NaN, or an infinity on one side only, is an unbounded gap (it was skipped, so
-    an engine answering NaN everywhere had max_logprob_diff 0.0)."""
-    if a == b:
-        return 0.0
-    d = abs(a - b)
-    return d if math.isfinite(d) else math.inf
+    """|a - b| in nats; a NaN, an infinity or vLLM's -9999 clamp of -inf on either side is an unbounded gap
+    (it was skipped, so an engine answering NaN everywhere had max_logprob_diff 0.0)."""
+    return abs(a - b) if usable_logprob(a) and usable_logprob(b) else math.inf
 
 
 def compare_outputs(

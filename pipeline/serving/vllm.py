@@ -7,7 +7,19 @@ the serving engine accepts. Sources are paths in the vLLM package (https://githu
 
 from __future__ import annotations
 
+import math
+
 from pipeline.serving.versions import VllmRange
+
+# vLLM returns a log-probability of -inf as -9999.0 (JSON has no -inf): `clamp_prompt_logprobs` in
+# vllm/entrypoints/openai/generate/base/serving.py (0.25.1; the same in 0.32). Below this, no value.
+LOGPROB_CLAMP_FLOOR = -9000.0
+
+
+def usable_logprob(v: float | None) -> bool:
+    """A log-probability that carries a value: a finite number above vLLM's -9999.0 clamp of -inf."""
+    return v is not None and math.isfinite(v) and v > LOGPROB_CLAMP_FLOOR
+
 
 # `--max-lora-rank` values vLLM accepts (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

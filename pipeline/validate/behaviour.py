@@ -298,7 +298,14 @@ def eval_loss_worse(ctx: AdapterFacts):
 @check("behaviour.no_data", "warning", "`--behaviour` without validation conversations", option="behaviour")
 def no_data(ctx: AdapterFacts):
     stats = _result(ctx)[0]
-    if stats is not None and not stats["conversations"] and not stats.get("missing_validation_files"):
+    missing = (stats or {}).get("missing_validation_files")
+    if stats is not None and stats["conversations"] and missing:
+        yield Issue(
+            f"{len(missing)} of the manifest's validation files are not here ({', '.join(missing[:3])}): eval loss "
+            "compared on the rest only",
+            str(ctx.adapter_dir),
+        )
+    if stats is not None and not stats["conversations"] and not missing:
         yield Issue(
             "no validation conversations (manifest lists none): eval loss not compared; train with test_datasets",
             str(ctx.adapter_dir),

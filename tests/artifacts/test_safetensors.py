@@ -107,3 +107,21 @@ def test_writer_output_loads(tmp_path):
     p = tmp_path / "w.safetensors"
     write_safetensors(p, {"x": ("F32", (2,), bytes(8)), "y": ("BF16", (3,), bytes(6))}, {"format": "pt"})
     assert set(read_safetensors_header(p)) == {"x", "y"} and not _loader_refuses(p)
+
+
+def test_a_failed_write_leaves_no_partial_copy(tmp_path, monkeypatch):
+    """A full disk during the write left `<file>.tmp` (the whole size) beside the file, and the pattern fold's
+    sibling copy with it; the file itself is as it was."""
+    import os
+
+    path = tmp_path / "adapter_model.safetensors"
+    write_safetensors(path, {"a": ("F32", (1,), b"\0\0\0\0")})
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_safetensors(path, {"a": ("F32", (2,), b"\0" * 8)})
+    assert [p.name for p in tmp_path.iterdir()] == [path.name] and path.read_bytes() == before

@@ -276,6 +276,12 @@ def test_a_canary_without_compared_tokens_fails():
     judge(ProjectConfig().canary, res, [], [])
     assert res.verdict == "fail" and res.findings[0].id == "canary.adapter_parity"
     assert "generated no token to compare" in res.problems[0]
+    # both passes empty: one finding each, not also a 'base gap' of agreement 0.000 or 'adapter is the base'
+    res = _result(0.0, 0.0, 0.0, 0.0, quantized=False)
+    res.parity["base"].positions = res.parity["adapter"].positions = 0
+    res.engine_adapter_equals_base = True
+    judge(ProjectConfig().canary, res, [], [])
+    assert [f.id for f in res.findings] == ["canary.base_gap", "canary.adapter_parity"]
 
 
 @pytest.mark.parametrize(
@@ -289,7 +295,7 @@ def test_a_canary_without_compared_tokens_fails():
             "min_effect_retention",
             lambda r: setattr(r, "effect", Effect(4, 0.01, 0.0, None, None, 0.1, 0.1)),
             "canary.effect",
-            "hardly moves",
+            "too small for a retention to be measured",
         ),
         (
             "min_effect_retention",

@@ -305,6 +305,15 @@ def test_behaviour_with_the_manifests_validation_files_missing_fails(good_adapte
     c = only(rep, "behaviour.eval_loss")
     assert c.severity == "error" and str(gone) in c.message and not rep.passed
     assert "behaviour.no_data" not in {x.id for x in rep.checks}
+    # one of two here: compared on the rest, with a warning naming the missing one
+    here = tmp_path / "val.jsonl"
+    here.write_text((REPO / "datasets" / "agent_chat_validation.jsonl").read_text().splitlines()[0] + "\n")
+    man.dataset.files.append(DatasetFile(path=str(here), role="validation"))
+    write_manifest(d, man)
+    rep = validate_adapter(d, tiny_base, behaviour=True)
+    w = only(rep, "behaviour.no_data")
+    assert w.severity == "warning" and "1 of the manifest's validation files are not here" in w.message
+    assert rep.stats["behaviour"]["conversations"] == 1
 
 
 @pytest.mark.parametrize(
