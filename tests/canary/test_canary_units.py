@@ -361,3 +361,30 @@ def test_compare_counts_a_reference_nan_and_the_engines_clamp_as_unbounded():
     ref = [[PositionScore(5, -1.0, {5: -1.0, 6: -2.0})]]
     clamp = compare(prompts, [EngineOutput([5], [{5: -1.0, 6: -9999.0}])], ref, 0.01)
     assert clamp.max_logprob_diff == math.inf
+
+
+def test_a_reply_without_logprobs_is_a_canary_error():
+    """An engine (or a proxy) that drops logprobs gave no token to compare; the canary passed on nothing."""
+    from types import SimpleNamespace
+
+    from pipeline.canary import Prompt
+    from pipeline.canary.engine import _generate
+    from pipeline.canary.result import CanaryError
+
+    class Client:  # stands in for InstanceClient: the reply shape of vLLM's /v1/completions without logprobs
+        instance = SimpleNamespace(url="http://staging")
+
+        def completion(self, model, ids, max_tokens, **params):
+            return {"choices": [{"text": "hi", "logprobs": None}], "usage": {"completion_tokens": 2}}
+
+    with pytest.raises(CanaryError, match="carries no logprobs.*--max-logprobs >= 5"):
+        _generate(Client(), "m", Prompt("p", [1, 2]), 2, 5)
+
+
+def test_a_partial_effect_records_no_retention():
+    from pipeline.canary.record import summary_tags
+
+    res = _result(1.0, 0.0, 1.0, 0.0, True)
+    res.effect = Effect(40, 2.0, 1.9, 0.95, 0.8, 0.3, 0.4, engine_unusable=2)
+    tags = summary_tags(res)
+    assert "canary.effect_retention" not in tags and tags["canary.effect_engine_unusable"] == "2"
