@@ -81,13 +81,14 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CHATS = [REPO / "datasets" / "agent_chat_validation.jsonl", REPO / "datasets" / "agent_chat_train.jsonl"]
-STEPS = 3  # draft steps trained and evaluated (num_speculative_tokens of the fleet)
-STEP_WEIGHTS = (1.0, 0.5, 0.25)
+sys.path.insert(0, str(REPO))
+from pipeline.serving.mtp import STEP_WEIGHTS, STEPS, MtpLayer, draft_scores, pos_emb, unrolled  # noqa: E402
 
 
 def _prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
@@ -136,130 +137,15 @@ def _split(n: int) -> tuple[slice, slice, slice]:
     return slice(0, k), slice(k, 2 * k), slice(2 * k, n)
 
 
-class _Mtp:
-    """The MTP layer as trainable torch modules, loaded from / saved to the checkpoint's `mtp.*` names."""
-
-    def __init__(self, text_cfg, tensors: dict, device):
-        import copy
-
-        import torch
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-
-        h, eps = text_cfg.hidden_size, text_cfg.rms_norm_eps
-        full = text_cfg.layer_types.index("full_attention")
-        # causal attention without a mask (SDPA's is_causal): the eager path would attend to later
-        # positions when no mask is passed, and the layer would learn from tokens vLLM never shows it
-        cfg = copy.deepcopy(text_cfg)
-        cfg._attn_implementation = "sdpa"
-        self.layer = Qwen3_5DecoderLayer(cfg, full)
-        self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.norms = {
-            n: Qwen3_5RMSNorm(h, eps) for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
-        }
-        self.modules = {"layers.0": self.layer, "fc": self.fc, **self.norms}
-        for prefix, mod in self.modules.items():
-            own = {
-                k[len(f"mtp.{prefix}.") :]: v for k, v in tensors.items() if k.startswith(f"mtp.{prefix}.")
-            }
-            mod.load_state_dict({k: v.float() for k, v in own.items()}, strict=True)
-            mod.to(device=device, dtype=torch.float32)
-
-    def parameters(self):
-        return [p for m in self.modules.values() for p in m.parameters()]
-
-    def state(self) -> dict:
-        import torch
-
-        return {
-            f"mtp.{prefix}.{k}": v.detach().to("cpu", torch.bfloat16).contiguous()
-            for prefix, mod in self.modules.items()
-            for k, v in mod.state_dict().items()
-        }
-
-    def load(self, state: dict) -> None:
-        """Set the parameters from a `state()` dict (names `mtp.*`)."""
-        for prefix, mod in self.modules.items():
-            own = {k[len(f"mtp.{prefix}.") :]: v for k, v in state.items() if k.startswith(f"mtp.{prefix}.")}
-            mod.load_state_dict({k: v.float() for k, v in own.items()}, strict=True)
-
-    def fc_inputs(self, emb, hidden):
-        import torch
-
-        return torch.cat(
-            [self.norms["pre_fc_norm_embedding"](emb), self.norms["pre_fc_norm_hidden"](hidden)], dim=-1
-        )
-
-    def forward(self, z, pos_emb, mask):
-        """fc outputs z [B, L, H] -> normalised outputs [B, L, H]; `mask` [L, L] bool, True: query row
-        may attend key column (vLLM 0.25.1 qwen3_5_mtp.py:153-165: the decoder layer with residual None,
-        then `norm(hidden, residual)`, which is HF's layer output through the norm)."""
-        return self.norms["norm"](self.layer(z, position_embeddings=pos_emb, attention_mask=mask[None, None]))
-
-
-def _pos_emb(rotary, x, positions):
-    """Rotary embeddings for positions [L] (text: the three M-RoPE rows equal), for x [B, L, H]."""
-    b = x.shape[0]
-    return rotary(x, positions.to(x.device).view(1, 1, -1).expand(3, b, -1))
-
-
-def _unrolled(mtp, embed, hidden, ids, rotary, steps: int):
-    """Outputs of draft steps 1..steps over whole sequences, as vLLM's proposer computes them:
-    list of [B, T - 1 - k, H] (k = step - 1), entry i = the draft from start position i.
-
-    Step 1 at position i reads x_{i+1} and the target's h_i (the proposer's first pass,
-    llm_base_proposer.py:846-858: input ids shifted by one, positions and hidden states unchanged).
-    Step k+1 (k >= 1) for start i runs at position i + k (:769 `_update_positions_dependent_metadata`,
-    +1 per step) on the token drafted by step k (here the true x_{i+k+1}: the same whenever the
-    earlier drafts were accepted, which is all the acceptance figures count) and step k's output
-    (:745-754: the MTP forward's return value, post-norm, is the next hidden state). Its attention
-    sees what the drafter's KV cache holds then: the first pass's entries at positions <= i and the
-    entries steps 2..k+1 wrote for this start (one each). The streams of steps 1..k+1 are concatenated
-    and that is the attention mask.
-    """
-    import torch
-
-    t_all = ids.shape[1]
-    lens = [t_all - 1 - k for k in range(steps)]
-    zs, outs, prev = [], [], hidden[:, :-1]
-    for k in range(steps):
-        t = lens[k]
-        zs.append(mtp.fc(mtp.fc_inputs(embed(ids[:, k + 1 : k + 1 + t]), prev[:, :t])))
-        x = torch.cat(zs, 1)
-        start = torch.cat([torch.arange(n) for n in lens[: k + 1]])
-        stream = torch.cat([torch.full((n,), m) for m, n in enumerate(lens[: k + 1])])
-        q_start, q_stream = start[:, None], stream[:, None]
-        mask = ((stream == 0) & (start <= q_start)) | (
-            (stream >= 1) & (stream <= q_stream) & (start == q_start)
-        )
-        out = mtp.forward(x, _pos_emb(rotary, x, start + stream), mask.to(x.device))
-        prev = out[:, -t:]
-        outs.append(prev)
-    return outs
+# the drafter vLLM runs, as torch modules (moved to the product: the estimate and `pipeline dev trained-base` use it)
+_Mtp = MtpLayer
+_pos_emb = pos_emb
+_unrolled = unrolled
 
 
 def _scores(mtp, embed, lm_head, hidden, ids, labels, rotary, first: int) -> dict:
-    """Draft figures on the given sequences, over start positions i >= `first` (the drafting region).
-
-    Returns {"agreement": [per step: draft k == target argmax], "acceptance": [per step: drafts 1..k
-    all equal it (vLLM's per-position acceptance rate under greedy verification)],
-    "acceptance_length": 1 + sum(acceptance)} (fractions of positions).
-    """
-    import torch
-
-    with torch.no_grad(), torch.autocast(hidden.device.type, dtype=torch.bfloat16):
-        outs = _unrolled(mtp, embed, hidden, ids, rotary, STEPS)
-        span = ids.shape[1] - STEPS - first  # start positions every step covers
-        hits = []
-        for k, out in enumerate(outs):
-            pred = torch.cat([lm_head(o).argmax(-1) for o in out[:, first : first + span].split(4)], 0)
-            hits.append(pred == labels[:, first + k + 1 : first + k + 1 + span])
-    agree = [float(h.float().mean()) for h in hits]
-    chain = torch.ones_like(hits[0])
-    acc = []
-    for h in hits:
-        chain = chain & h
-        acc.append(float(chain.float().mean()))
-    return {"agreement": agree, "acceptance": acc, "acceptance_length": 1 + sum(acc)}
+    """Draft figures on the given sequences (`pipeline.serving.mtp.draft_scores`)."""
+    return draft_scores(mtp, embed, lm_head, hidden, ids, labels, rotary, first, STEPS)
 
 
 def distill(

@@ -14,6 +14,7 @@ from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.servedbase import build_served_base
 from pipeline.dev.tinybase import build_tiny_base
+from pipeline.dev.trainedbase import build_trained_base
 
 app = typer.Typer(help="Developer tools: tiny models for demos and tests.", no_args_is_help=True)
 demo_app = typer.Typer()
@@ -65,6 +66,61 @@ def real_base(
     on a host without the model hub. 64 layers: ~54 GB on disk.
     """
     build_real_base(out, layers, device=device.value, seed=seed, shard_gb=shard_gb)
+
+
+@app.command("trained-base")
+def trained_base(
+    out: Annotated[Path, typer.Argument(help="directory to write (replaced)")],
+    layers: Annotated[
+        int, typer.Option(min=4, help="decoder layers, a multiple of 4 ([linear x3, full] repeated)")
+    ] = 8,
+    hidden: Annotated[int, typer.Option(min=64, help="model width (a multiple of 64)")] = 1024,
+    minutes: Annotated[
+        float,
+        typer.Option(min=0.01, callback=finite, help="training-loop budget, minutes (data and eval on top)"),
+    ] = 4.0,
+    device: Annotated[Device, typer.Option(help="where to train (cuda: bf16 autocast)")] = Device.cuda,
+    corpus: Annotated[
+        list[Path] | None, typer.Option(help="folders of text files to train on (default: site-packages)")
+    ] = None,
+    corpus_mb: Annotated[
+        float, typer.Option(min=0.01, callback=finite, help="corpus cap, MB (1e6 bytes)")
+    ] = 150.0,
+    vocab: Annotated[
+        int, typer.Option(min=300, max=1 << 17, help="BPE vocabulary, special tokens included")
+    ] = 8192,
+    seq_len: Annotated[int, typer.Option(min=16, max=1 << 16, help="tokens per training window")] = 1024,
+    batch: Annotated[int, typer.Option(min=1, max=4096, help="windows per step")] = 32,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="random seed")] = 0,
+    json_out: JsonOption = False,
+):
+    """Train a stand-in base of the fleet's architecture from scratch on an offline corpus.
+
+    `Qwen3_5ForConditionalGeneration` with [linear x3, full] layers, gated attention, Gated-DeltaNet and
+    one MTP layer (`mtp.*`), trained on the installed packages' sources and docs with LM + MTP loss
+    (the MTP layer fed as vLLM's `qwen3_5_mtp` feeds it). Writes the checkpoint and `trained_base.json`
+    (corpus sha256, held-out perplexity, MTP agreement per draft position).
+
+    Example: pipeline dev trained-base /dev/shm/tb --layers 8 --hidden 1024 --minutes 4 --device cuda
+    """
+    rep = build_trained_base(
+        out, layers=layers, hidden=hidden, minutes=minutes, device=device.value, corpus_roots=corpus,
+        corpus_mb=corpus_mb, vocab_size=vocab, seq_len=seq_len, batch=batch, seed=seed,
+    )  # fmt: skip
+    summary = {
+        "out": str(out),
+        "heldout_ppl": round(rep["heldout_ppl"], 3),
+        "heldout_ppl_initial": round(rep["heldout_ppl_initial"], 1),
+        "mtp_acceptance_length_greedy": rep["mtp_greedy"]["acceptance_length"],
+        "mtp_agreement_greedy": rep["mtp_greedy"]["agreement"],
+        "training": {k: rep["training"][k] for k in ("steps", "tokens", "seconds", "tokens_per_s")},
+        "corpus": {k: rep["corpus"][k] for k in ("files", "bytes", "sha256")},
+    }
+    if json_out:
+        emit_json(summary)
+    else:
+        for k, v in summary.items():
+            typer.echo(f"{k}: {v}")
 
 
 class QuantDevice(StrEnum):

@@ -72,8 +72,14 @@ def _corpus(dataset_dir: Path | None) -> list[str]:
     return lines
 
 
-def build_tokenizer(out: Path, dataset_dir: Path | None = None):
-    """Train a byte-level BPE tokenizer (vocab 1,024) locally and save it with the chat template.
+def build_tokenizer(out: Path, dataset_dir: Path | None = None, *, corpus=None, vocab_size: int = VOCAB_SIZE):
+    """Train a byte-level BPE tokenizer locally (the `tokenizers` library) and save it with the chat template.
+
+    Args:
+        out: directory the tokenizer files are saved to.
+        dataset_dir: chat JSONL files added to the default corpus (the tiny base's).
+        corpus: an iterable of texts to train on instead of the default corpus (`pipeline dev trained-base`).
+        vocab_size: ids in all, the special tokens (`SPECIAL_TOKENS`) included (default 1,024).
 
     Returns the transformers fast tokenizer. Deterministic for the same corpus.
     """
@@ -84,12 +90,12 @@ def build_tokenizer(out: Path, dataset_dir: Path | None = None):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(dataset_dir), trainer=trainer)
+    tok.train_from_iterator(_corpus(dataset_dir) if corpus is None else corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
