@@ -171,6 +171,7 @@ def build_trained_base(
     layers: int = 8,
     hidden: int = 1024,
     minutes: float = 4.0,
+    max_steps: int | None = None,
     device: str = "cuda",
     corpus_roots: list[Path] | None = None,
     corpus_mb: float = 150.0,
@@ -192,6 +193,7 @@ def build_trained_base(
         out: directory to write (replaced whole; `pipeline.dev.output.write_whole`).
         layers: decoder layers, a multiple of 4 ([linear x3, full] repeated); hidden: model width.
         minutes: wall-clock budget of the training loop (the corpus, tokenizer and evaluation come on top).
+        max_steps: stop after this many optimizer steps even within `minutes` (tests: a fixed amount of work).
         device: "cuda" (bf16 autocast) or "cpu" (float32: tests at tiny sizes).
         corpus_roots / corpus_mb: where the corpus is read (default: site-packages) and its cap, MB (1e6 bytes).
         vocab_size: BPE ids, special tokens included. seq_len / batch: tokens per window / windows per step.
@@ -221,7 +223,7 @@ def build_trained_base(
     return report
 
 
-def _build(out: Path, *, layers, hidden, minutes, device, corpus_roots, corpus_mb, vocab_size, seq_len, batch, lr,
+def _build(out: Path, *, layers, hidden, minutes, max_steps, device, corpus_roots, corpus_mb, vocab_size, seq_len, batch, lr,
            mtp_weight, mtp_len, eval_windows, greedy_prompts, prompt_len, new_tokens, seed) -> dict:  # fmt: skip
     import contextlib
 
@@ -291,9 +293,10 @@ def _build(out: Path, *, layers, hidden, minutes, device, corpus_roots, corpus_m
     model.train()
     mtp.train()
     m = min(mtp_len, seq_len)
-    while (elapsed := time.time() - t_train) < budget:
+    while (elapsed := time.time() - t_train) < budget and (max_steps is None or steps < max_steps):
+        frac = max(elapsed / budget, steps / max_steps if max_steps else 0.0)
         for g in opt.param_groups:
-            g["lr"] = _lr(elapsed / budget, lr)
+            g["lr"] = _lr(frac, lr)
         w = _windows(train_ids, batch, seq_len + 1, gen).to(device, non_blocking=True)
         x, y = w[:, :-1], w[:, 1:]
         with amp():
