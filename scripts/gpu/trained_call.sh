@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a lent H200 (`nvidia-h200`): the trained stand-in base (issue 36) and what is
 # measured on it without vLLM: `pipeline dev trained-base`, the packing check on it (issue 39), and
-# its served NVFP4 + MTP build (`pipeline dev served-base`, kept in /dev/shm for the vLLM calls that
+# its served NVFP4 + MTP build (before the packing check: the vLLM calls need it)
+# and (`pipeline dev served-base`, kept in /dev/shm for the vLLM calls that
 # follow on the same warm machine).
 #
 #   OUT=... bash scripts/gpu/trained_call.sh [MINUTES]          # run from the checkout the device tool sends
@@ -36,19 +37,19 @@ if [ ! -e $TB/trained_base.json ]; then
         --device cuda --json >"$OUT/trained_summary.json" 2>"$OUT/trained.log"
     el "trained-base exit $?"
 fi
-cp $TB/trained_base.json $TB/tokenizer.json $TB/tokenizer_config.json $TB/config.json "$OUT/" 2>/dev/null
+cp $TB/trained_base.json $TB/config.json "$OUT/" 2>/dev/null  # $OUT returns 8 files at most
 cat "$OUT/trained_summary.json" 2>/dev/null
 tail -5 "$OUT/trained.log"
 
-if [ -e $TB/trained_base.json ] && [ ! -e "$OUT/packing_check.json" ]; then
-    timeout -k 10 150 python3 benchmarks/packing_check.py --base $TB --out "$OUT/packing_check.json" --no-grads \
-        --samples 24 --row 4096 >"$OUT/packing.log" 2>&1
-    el "packing check exit $?: $(tail -1 "$OUT/packing.log" | cut -c1-600)"
-fi
 if [ -e $TB/trained_base.json ] && [ -e /tmp/msite/.ok ] && [ ! -e /dev/shm/tb-nvfp4/hf_quant_config.json ]; then
     PYTHONPATH=$SITE:$ROOT:/tmp/msite timeout -k 10 200 python3 -m pipeline dev served-base $TB /dev/shm/tb-nvfp4 \
         --device cuda >"$OUT/served.log" 2>&1
     el "served-base exit $?: $(ls /dev/shm/tb-nvfp4 2>/dev/null | tr '\n' ' ')"
     tail -3 "$OUT/served.log"
+fi
+if [ -e $TB/trained_base.json ] && [ ! -e "$OUT/packing_check.json" ]; then
+    timeout -k 10 200 python3 benchmarks/packing_check.py --base $TB --out "$OUT/packing_check.json" --no-grads \
+        --samples 24 --row 4096 >"$OUT/packing.log" 2>&1
+    el "packing check exit $?: $(tail -1 "$OUT/packing.log" | cut -c1-600)"
 fi
 el "end"
