@@ -32,9 +32,12 @@ import random
 import time
 from pathlib import Path
 
+from pipeline.dev import corpus as corpus_mod
 from pipeline.dev.output import write_whole
 from pipeline.dev.realbase import PREPROCESSOR_CONFIG, VIDEO_PREPROCESSOR_CONFIG, real_config
+from pipeline.dev.tinybase import build_tokenizer
 from pipeline.errors import UsageError
+from pipeline.serving.mtp import MtpLayer, draft_loss, draft_scores
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +141,6 @@ def _mtp_figures(parts: _Parts, ids, first: int, amp) -> dict:
     """Draft agreement / acceptance of the MTP layer on sequences `ids` [B, T] against the target's argmax."""
     import torch
 
-    from pipeline.serving.mtp import draft_scores
-
     with torch.no_grad(), amp():
         hidden = parts.hidden(ids)
         labels = torch.cat([parts.lm_head(h).argmax(-1) for h in hidden.split(4)], 0)
@@ -192,7 +193,8 @@ def build_trained_base(
     Args:
         out: directory to write (replaced whole; `pipeline.dev.output.write_whole`).
         layers: decoder layers, a multiple of 4 ([linear x3, full] repeated); hidden: model width.
-        minutes: wall-clock budget of the training loop (the corpus, tokenizer and evaluation come on top).
+        minutes: wall-clock budget of the training loop after its first step (which compiles kernels: ~100 s
+            on a fresh H200); the corpus, tokenizer and evaluation come on top.
         max_steps: stop after this many optimizer steps even within `minutes` (tests: a fixed amount of work).
         device: "cuda" (bf16 autocast) or "cpu" (float32: tests at tiny sizes).
         corpus_roots / corpus_mb: where the corpus is read (default: site-packages) and its cap, MB (1e6 bytes).
@@ -229,10 +231,6 @@ def _build(out: Path, *, layers, hidden, minutes, max_steps, device, corpus_root
 
     import torch
     from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
-
-    from pipeline.dev import corpus as corpus_mod
-    from pipeline.dev.tinybase import build_tokenizer
-    from pipeline.serving.mtp import MtpLayer, draft_loss
 
     t0 = time.time()
     random.seed(seed)
@@ -289,7 +287,7 @@ def _build(out: Path, *, layers, hidden, minutes, max_steps, device, corpus_root
         params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **({"fused": True} if cuda else {})
     )
     budget = minutes * 60
-    t_train, steps, tokens, curve = time.time(), 0, 0, []
+    t_train, steps, tokens, curve, compile_s = time.time(), 0, 0, [], 0.0
     model.train()
     mtp.train()
     m = min(mtp_len, seq_len)
@@ -312,14 +310,19 @@ def _build(out: Path, *, layers, hidden, minutes, max_steps, device, corpus_root
         opt.step()
         steps += 1
         tokens += x.numel()
+        if steps == 1:  # the first step compiles kernels (fla's tilelang backward: ~100 s on a fresh H200):
+            if cuda:  # the budget is for training, so it starts after it
+                torch.cuda.synchronize()
+            compile_s = time.time() - t_train
+            t_train = time.time()
         if steps == 1 or steps % 50 == 0:
-            curve.append({"step": steps, "s": round(time.time() - t_train, 1), "lm_loss": round(float(lm), 4),
-                          "mtp_loss": round(float(dl), 4)})  # fmt: skip
+            curve.append({"step": steps, "s": round(time.time() - t_train, 1), "lm_loss": round(float(lm.detach()), 4),
+                          "mtp_loss": round(float(dl.detach()), 4)})  # fmt: skip
     if cuda:
         torch.cuda.synchronize()
     train_s = time.time() - t_train
-    rep["training"] = {"steps": steps, "tokens": tokens, "seconds": round(train_s, 1),
-                       "tokens_per_s": round(tokens / train_s), "epochs": round(tokens / len(train_ids), 3),
+    rep["training"] = {"steps": steps, "tokens": tokens, "seconds": round(train_s, 1), "first_step_s": round(compile_s, 1),
+                       "tokens_per_s": round((tokens - batch * seq_len) / train_s) if steps > 1 else None, "epochs": round(tokens / len(train_ids), 3),
                        "seq_len": seq_len, "batch": batch, "lr": lr, "mtp_weight": mtp_weight, "mtp_len": m,
                        "curve": curve[-40:]}  # fmt: skip
     model.eval()
@@ -340,7 +343,7 @@ def _build(out: Path, *, layers, hidden, minutes, max_steps, device, corpus_root
         seqs = _greedy(parts, prompts.to(device), new_tokens)
     rep["mtp_greedy"] = {**_mtp_figures(parts, seqs, prompt_len - 1, amp), "prompts": n_p,
                          "prompt_len": prompt_len, "new_tokens": new_tokens}  # fmt: skip
-    rep["eval_s"] = round(time.time() - t_train - train_s, 1)
+    rep["eval_s"] = round(time.time() - t_train - train_s, 1)  # t_train: after the first step
 
     # transformers writes the model; the MTP layer is one more shard of the same index
     from safetensors.torch import save_file

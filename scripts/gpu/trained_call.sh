@@ -48,7 +48,7 @@ if [ -e $TB/trained_base.json ] && [ -e /tmp/msite/.ok ] && [ ! -e /dev/shm/tb-n
     tail -3 "$OUT/served.log"
 fi
 if [ -e $TB/trained_base.json ] && [ ! -e "$OUT/packing_check.json" ]; then
-    timeout -k 10 200 python3 benchmarks/packing_check.py --base $TB --out "$OUT/packing_check.json" --no-grads \
+    timeout -k 10 400 python3 benchmarks/packing_check.py --base $TB --out "$OUT/packing_check.json" --no-grads \
         --samples 24 --row 4096 >"$OUT/packing.log" 2>&1
     el "packing check exit $?: $(tail -1 "$OUT/packing.log" | cut -c1-600)"
 fi
