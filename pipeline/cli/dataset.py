@@ -18,7 +18,7 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.train.config import load_training_config, missing_inputs
+from pipeline.train.config import ALLOWABLE, load_training_config, missing_inputs
 from pipeline.train.data_gate import check_config_datasets
 from pipeline.train.dataset import DatasetReport, check_datasets
 
@@ -95,6 +95,8 @@ def check(
                 "--config names the files, tokenizer and sequence_len: give FILES, --validation, --tokenizer "
                 "and --sequence-len only without it (or change the config, or --set sequence_len=N)"
             )
+        if unknown := set(allow) - set(ALLOWABLE):
+            raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(ALLOWABLE)}")
         tc = load_training_config(config, set_)
         if missing := missing_inputs(tc):
             raise UsageError("\n  ".join(missing))

@@ -499,7 +499,8 @@ def scrontab(spec: ScheduleSpec) -> str:
         f"{gres}"
         f"#SCRON --chdir={spec.workdir}\n"
         f"#SCRON --output={scrontab_log_dir(spec)}/retrain-{spec.name}-%j.log\n"
-        f"{spec.schedule} set -a; . {shlex.quote(spec.env_file)} 2>/dev/null; set +a; "
+        # `. FILE` of a missing file ends a POSIX sh (dash) with exit 2 before the job starts: only if readable
+        f"{spec.schedule} if [ -r {shlex.quote(spec.env_file)} ]; then set -a; . {shlex.quote(spec.env_file)}; set +a; fi; "
         f"{env} "
         f"{' '.join(shlex.quote(c) for c in spec.command('scrontab'))}\n"
     )
