@@ -18,7 +18,7 @@ import typer
 
 from pipeline.cli._common import JsonOption, exit_as, project_config
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.train.config import ALLOWABLE, load_training_config, missing_inputs
+from pipeline.train.config import ALLOWABLE, check_dataset_entries, load_training_config, missing_inputs
 from pipeline.train.data_gate import check_config_datasets
 from pipeline.train.dataset import DatasetReport, check_datasets
 
@@ -98,6 +98,9 @@ def check(
         if unknown := set(allow) - set(ALLOWABLE):
             raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(ALLOWABLE)}")
         tc = load_training_config(config, set_)
+        check_dataset_entries(tc)
+        if not tc.data.get("datasets"):
+            raise UsageError(f"{config}: names no datasets (a list of mappings with a path)")
         if missing := missing_inputs(tc):
             raise UsageError("\n  ".join(missing))
         rep = check_config_datasets(project_config(), tc, set(allow))

@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from pipeline.errors import PipelineError
-from pipeline.train.config import load_training_config
+from pipeline.train.config import check_dataset_entries, load_training_config
 
 READ_KEYS = ("base_model", "tokenizer_config", "deepspeed", "lora_model_dir")
 TRAINING_KEY = "training.yml"  # the ConfigMap key (and file name under the config mount)
@@ -65,6 +65,7 @@ def pod_training_config(config: Path, project: Path, mounts: dict[str, str]) -> 
     path = config if config.is_absolute() else project / config
     try:
         tc = load_training_config(path)
+        check_dataset_entries(tc)
     except PipelineError as e:
         out.problems.append(f"--config {config}: {str(e).splitlines()[0]}")
         return out
