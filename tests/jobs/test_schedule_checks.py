@@ -219,3 +219,16 @@ def test_a_hub_base_is_named_for_the_pods_cache(monkeypatch):
     text, cm, _ = cronjob_docs(r)
     assert "the hub model Qwen/Qwen3.6-27B@" in text.split("apiVersion")[0]
     assert yaml.safe_load(cm["data"]["training.yml"])["base_model"] == "Qwen/Qwen3.6-27B"
+
+
+def test_the_unit_runs_as_the_user_who_emitted_it(day, monkeypatch):
+    """Sibling: a system unit without `User=` runs as root, leaving root's lock files and store in the
+    operator's project (0600: the operator's own commands then fail on them). The checks ran as this user."""
+    import pwd
+
+    import pipeline.cli.schedule as cli_schedule
+
+    monkeypatch.setattr(cli_schedule.os, "geteuid", lambda: 65534)
+    r = emit("--kind", "systemd", "--config", "my-task.yml")
+    assert r.exit_code == 0, r.output
+    assert f"User={pwd.getpwuid(65534).pw_name}" in r.output.splitlines()
