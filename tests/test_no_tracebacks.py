@@ -378,6 +378,42 @@ def cases(w: World) -> list[Case]:
     add(Case(["train", tiny, "--set", "lora_r=" + BIG]))
     add(Case(["dataset", "check", P["empty"], "--validation", P["binary"], "--tokenizer", P["dir"]]))
     add(Case(["dataset", "check", P["empty"], "--sequence-len", "-5"]))
+    for f in ("missing", "dir", "binary", "yaml", "devnull"):  # --config: an axolotl config that is not one
+        add(Case(["dataset", "check", "--config", P[f]]))
+    add(Case(["dataset", "check", "--config", tiny, "--set", "datasets=[x]"]))
+    add(Case(["dataset", "check", "--config", tiny, "--allow", "bogus"]))
+    add(
+        Case(
+            [
+                "schedule",
+                "emit",
+                "--kind",
+                "systemd",
+                "--name",
+                "a",
+                "--config",
+                tiny,
+                "--workdir",
+                P["missing"],
+            ]
+        )
+    )
+    add(
+        Case(
+            [
+                "schedule",
+                "emit",
+                "--kind",
+                "cronjob",
+                "--name",
+                "a",
+                "--config",
+                P["binary"],
+                "--image",
+                "r/i:1",
+            ]
+        )
+    )
     # config
     for env in CONFIGS + ["bad-fleet"]:
         add(Case(["config", "show"], env=env))

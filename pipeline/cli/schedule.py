@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from pydantic import ValidationError
 
-from pipeline.cli._common import adapter_name, project_config
+from pipeline.cli._common import CONFIG_META, adapter_name, log, project_config
 from pipeline.errors import UsageError
-from pipeline.jobs.schedule import ScheduleSpec, emit
+from pipeline.jobs.schedule import ScheduleSpec, emit, scrontab_log_dir
+from pipeline.jobs.schedule_checks import host_job
 from pipeline.redact import redact_uri
 
 app = typer.Typer(help="Scheduler manifests that call `pipeline run`.", no_args_is_help=True)
@@ -21,6 +25,30 @@ def _project_yaml() -> Path | None:
     """This project's pipeline.yaml (`--config`, $PIPELINE_CONFIG, or found up the tree), if any."""
     cfg = project_config()
     return cfg.source if cfg.source and cfg.source.is_file() else None
+
+
+def _check_host_job(spec: ScheduleSpec, kind: str, log_dir: Path | None, no_check: bool) -> None:
+    """Fill `spec` from the checks the job will make (pipeline.jobs.schedule_checks): the project
+    config to pin, `User=` (this user, whose access was checked), what must exist where; raises
+    UsageError listing what would fail, unless `no_check` (then it is logged and in the header)."""
+    ctx = click.get_current_context(silent=True)
+    explicit = (ctx.meta.get(CONFIG_META) if ctx else None) or os.environ.get("PIPELINE_CONFIG")
+    job = host_job(
+        Path(spec.workdir), spec.config, spec.executable(kind), Path(explicit) if explicit else None, log_dir
+    )
+    spec.project_config = job.project_config
+    spec.needs = job.needs
+    if os.geteuid() != 0 and kind == "systemd":
+        spec.user = pwd.getpwuid(os.geteuid()).pw_name  # a system unit runs as root otherwise
+    if job.problems and not no_check:
+        raise UsageError(
+            f"the {kind} job would fail (checked from {spec.workdir} as uid {os.geteuid()}):\n  "
+            + "\n  ".join(job.problems)
+            + "\nfix these and emit again, or pass --no-check to emit anyway"
+        )
+    for p in job.problems:
+        log.warning("--no-check: the job would fail: %s", p)
+    spec.needs = [*job.needs, *(f"NOT FOUND WHEN EMITTED: {p}" for p in job.problems)]
 
 
 class Kind(StrEnum):
@@ -33,7 +61,13 @@ class Kind(StrEnum):
 def emit_cmd(
     kind: Annotated[Kind, typer.Option(help="scheduler")],
     name: Annotated[str, typer.Option(help="adapter name", callback=adapter_name)],
-    config: Annotated[str, typer.Option(help="axolotl config path as the job sees it")],
+    config: Annotated[
+        str,
+        typer.Option(
+            help="the axolotl config: systemd/scrontab, relative to --workdir as the job reads it; cronjob, "
+            "read here and shipped in the ConfigMap with its paths on the pod's mounts"
+        ),
+    ],
     schedule: Annotated[
         str, typer.Option(help="cron expression, 5 fields (minute hour day-of-month month day-of-week)")
     ] = "0 3 * * *",
@@ -49,8 +83,23 @@ def emit_cmd(
         ),
     ] = None,
     workdir: Annotated[
-        str, typer.Option(help="the project directory the job runs in (systemd/scrontab: its pipeline.yaml)")
-    ] = "/srv/lora-pipeline",
+        str | None,
+        typer.Option(
+            help="systemd/scrontab: the project directory the job runs in (default: the current one); "
+            "checked from here unless --no-check"
+        ),
+    ] = None,
+    timezone: Annotated[
+        str, typer.Option(help="IANA time zone of --schedule (systemd, cronjob)")
+    ] = "Etc/UTC",
+    no_check: Annotated[
+        bool,
+        typer.Option(
+            "--no-check",
+            help="emit even when the job would fail from here (e.g. for another machine); the file's "
+            "header lists what must exist where",
+        ),
+    ] = False,
     pipeline_yaml: Annotated[
         Path | None,
         typer.Option(help="cronjob: the pipeline.yaml to put in the ConfigMap (default: this project's)"),
@@ -59,8 +108,14 @@ def emit_cmd(
 ):
     """Print (or write) a Kubernetes CronJob, systemd service+timer, or Slurm scrontab entry.
 
-    The CronJob comes with its ConfigMap (pipeline.yaml) and a header naming the image, Secret
-    keys and volume claims it needs; systemd and Slurm run the absolute path of `pipeline`."""
+    systemd and Slurm run the absolute path of `pipeline` in --workdir; the checks the job will make
+    run first, from there (config found and valid, data files and base there, state, runs, prepared
+    datasets and volume writable), and a failing one refuses the emit (exit 2) unless --no-check.
+    The CronJob comes with its ConfigMap (pipeline.yaml and the training config, its paths on the
+    pod's mounts) and a header naming the image, Secret keys, volume claims and the files the
+    datasets claim must hold.
+
+    Example: pipeline schedule emit --kind systemd --name my-task --config my-task.yml --out schedule/"""
     text = ""
     if kind is Kind.cronjob:
         src = pipeline_yaml or _project_yaml()
@@ -79,12 +134,18 @@ def emit_cmd(
             name=name,
             config=config,
             schedule=schedule,
+            timezone=timezone,
             gpus=gpus,
             image=image,
             pipeline_bin=pipeline_bin,
-            workdir=workdir,
+            workdir=str(Path(workdir or Path.cwd()).absolute()),
             pipeline_yaml=text,
+            project_dir=str(Path.cwd()),
         )
+        log_dir = None
+        if kind is not Kind.cronjob:
+            log_dir = Path(scrontab_log_dir(spec)) if kind is Kind.scrontab else None
+            _check_host_job(spec, kind.value, log_dir, no_check)
         files = emit(kind.value, spec)
     except ValidationError as e:  # one line per field, never pydantic's dump
         raise UsageError(
@@ -95,6 +156,9 @@ def emit_cmd(
         ) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if log_dir is not None and Path(spec.workdir).is_dir() and not log_dir.exists():
+        log_dir.mkdir(parents=True)  # Slurm opens --output there and does not create directories
+        log.info("created %s (the scrontab's --output directory)", log_dir)
     for fname, text in files.items():
         if out:
             out.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,10 @@
 
 - Kubernetes: the CronJob (batch/v1: `concurrencyPolicy: Forbid`, `startingDeadlineSeconds`, GPU
   requests, the datasets / adapter volume / state PersistentVolumeClaims, MLflow credentials from
-  a Secret, never inline) and the ConfigMap holding `pipeline.yaml`, in one file, headed by a
-  comment that lists what must exist first (image, Secret keys, claims). The config is mounted
+  a Secret, never inline) and the ConfigMap holding `pipeline.yaml` and the training config
+  (`training.yml`: read here, its paths rewritten onto the mounts, pipeline.jobs.schedule_pod), in
+  one file, headed by a comment that lists what must exist first (image, Secret keys, claims, and
+  each file the datasets claim must hold, where). The container runs in the state mount. The config is mounted
   read-only, so the writable places are pinned to the mounts through environment overrides
   (`PIPELINE_STATE_DIR`, `PIPELINE_VOLUME__PATH`, `PIPELINE_TRAIN__RUNS_DIR`): relative paths
   would otherwise resolve next to the config, on the read-only mount. `pipeline run --locked-ok`
@@ -12,11 +14,19 @@
   an eviction (DisruptionTarget) is retried without counting, and SIGTERM leaves
   `terminationGracePeriodSeconds` for the run to finish a publish (pipeline/interrupt.py).
 - systemd service + timer (`Persistent=true`: a run missed while the machine was off starts
-  at boot); `ExecStart=` names the `pipeline` executable by absolute path (systemd refuses a bare
-  name it cannot find in its own search path); the project is the working directory; secrets
-  through `EnvironmentFile=`; `KillMode=mixed` + `TimeoutStopSec` let SIGTERM end the run cleanly.
+  at boot; the calendar carries the time zone, as the CronJob's `timeZone`); `ExecStart=` names the
+  `pipeline` executable by absolute path (systemd refuses a bare name it cannot find in its own
+  search path); the project is the working directory, and `PIPELINE_CONFIG` is set only to a
+  pipeline.yaml that exists (else the job finds its project as every command does); `User=` the
+  emitting user (a system unit runs as root otherwise, and would leave root's files in the
+  project); secrets through `EnvironmentFile=`; `KillMode=mixed` + `TimeoutStopSec` let SIGTERM end
+  the run cleanly.
 - Slurm scrontab line with `#SCRON` options (absolute path too: cron's PATH is minimal;
-  `--locked-ok`, as Slurm records any other exit as FAILED).
+  `--locked-ok`, as Slurm records any other exit as FAILED; `--output` into `<workdir>/logs`, which
+  `schedule emit` creates, as Slurm does not).
+
+Before emitting a systemd unit or a scrontab line, `schedule emit` makes the checks the job will
+make, from its working directory (pipeline.jobs.schedule_checks), and refuses with the list.
 
 Validated in the tests with the Kubernetes OpenAPI schemas (kubernetes-validate, strict) and
 `systemd-analyze verify`.
@@ -41,6 +51,8 @@ from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, Field, field_validator
+
+from pipeline.jobs.schedule_pod import TRAINING_KEY, PodConfig, pod_training_config
 
 # Macros every target understands less uniformly than five fields: emitted as their 5-field form.
 CRON_MACROS = {
@@ -148,11 +160,19 @@ class ScheduleSpec(BaseModel):
         description="`pipeline` executable: absolute for systemd/Slurm (default: this installation's); "
         "`pipeline` on the image's PATH for the CronJob",
     )
-    workdir: str = "/srv/lora-pipeline"
+    workdir: str = Field("/srv/lora-pipeline", description="systemd/Slurm: the job's working directory")
     project_config: str | None = Field(
         None,
-        description="pipeline.yaml as the job sees it (default: <workdir>/pipeline.yaml; the CronJob: "
-        "the ConfigMap's /etc/lora-pipeline/pipeline.yaml)",
+        description="pipeline.yaml as the job sees it ($PIPELINE_CONFIG; default: none, the job finds its "
+        "project from its working directory as every command does; the CronJob: the ConfigMap's "
+        "/etc/lora-pipeline/pipeline.yaml)",
+    )
+    user: str | None = Field(None, description="systemd `User=`: who the job runs as (default: root)")
+    needs: list[str] = Field(default_factory=list, description="what must exist where (the header)")
+    project_dir: str | None = Field(
+        None,
+        description="CronJob: where `config` and its relative paths are read here (default: the working "
+        "directory); the config goes into the ConfigMap, its paths rewritten onto the mounts",
     )
     pipeline_yaml: str = Field("", description="pipeline.yaml content for the CronJob's ConfigMap")
     datasets_claim: str = "lora-datasets"
@@ -199,10 +219,12 @@ class ScheduleSpec(BaseModel):
             raise ValueError(f"pipeline_bin {v!r}: give a path without white space")
         return v
 
-    def config_path(self, kind: str) -> str:
+    def config_path(self, kind: str) -> str | None:
+        """`$PIPELINE_CONFIG` of the job; None: the job finds its project from its working directory
+        (a pinned `<workdir>/pipeline.yaml` that was never created failed every run with exit 2)."""
         if self.project_config:
             return self.project_config
-        return f"{MOUNTS['config']}/pipeline.yaml" if kind == "cronjob" else f"{self.workdir}/pipeline.yaml"
+        return f"{MOUNTS['config']}/pipeline.yaml" if kind == "cronjob" else None
 
     def executable(self, kind: str) -> str:
         """The `pipeline` the job runs: an absolute path for systemd and Slurm (ValueError otherwise)."""
@@ -217,15 +239,26 @@ class ScheduleSpec(BaseModel):
         return exe
 
     def command(self, kind: str = "systemd") -> list[str]:
-        cmd = [self.executable(kind), "run", self.config, "--name", self.name]
+        config = f"{MOUNTS['config']}/{TRAINING_KEY}" if kind == "cronjob" else self.config
+        cmd = [self.executable(kind), "run", config, "--name", self.name]
         if self.gpus > 1:  # the job trains on the GPUs it reserves (`pipeline run --gpus`)
             cmd += ["--gpus", str(self.gpus)]
         # systemd says "3 is success" itself (SuccessExitStatus=3); a Job and Slurm count any non-zero as failed
         return cmd if kind == "systemd" else [*cmd, "--locked-ok"]
 
 
+def pod_config(spec: ScheduleSpec) -> PodConfig:
+    """The training config for the ConfigMap (pipeline.jobs.schedule_pod); ValueError listing what
+    is missing or would collide."""
+    pod = pod_training_config(Path(spec.config), Path(spec.project_dir or Path.cwd()), MOUNTS)
+    if pod.problems:
+        raise ValueError("the CronJob's pod could not find its inputs:\n  " + "\n  ".join(pod.problems))
+    return pod
+
+
 def cronjob(spec: ScheduleSpec) -> dict:
-    """A Kubernetes batch/v1 CronJob as a dict."""
+    """A Kubernetes batch/v1 CronJob as a dict: `pipeline run` of the ConfigMap's training config,
+    in the state mount (writable, and there in every pod, unlike a directory of the image)."""
     if not spec.image:
         raise ValueError(
             "--image: the CronJob needs the container image that has lora-pipeline installed "
@@ -243,7 +276,7 @@ def cronjob(spec: ScheduleSpec) -> dict:
         "name": "pipeline",
         "image": spec.image,
         "command": spec.command("cronjob"),
-        "workingDir": spec.workdir,
+        "workingDir": MOUNTS["state"],
         "env": [
             {"name": "PIPELINE_CONFIG", "value": spec.config_path("cronjob")},
             # the config is mounted read-only: what the job writes goes to the writable mounts
@@ -328,8 +361,9 @@ def configmap_name(spec: ScheduleSpec) -> str:
     return f"lora-pipeline-{spec.name}"
 
 
-def configmap(spec: ScheduleSpec) -> dict:
-    """The ConfigMap the CronJob mounts at /etc/lora-pipeline: `pipeline.yaml` (the project's, as given)."""
+def configmap(spec: ScheduleSpec, pod: PodConfig) -> dict:
+    """The ConfigMap the CronJob mounts at /etc/lora-pipeline: `pipeline.yaml` (the project's, as given)
+    and the training config `training.yml` (its paths on the mounts)."""
     text = spec.pipeline_yaml or (
         "# lora-pipeline project config (pipeline.yaml): served, fleet, registry, run sections.\n"
         "# state_dir, volume.path and train.runs_dir are set by the CronJob's environment (the mounts).\n"
@@ -339,14 +373,21 @@ def configmap(spec: ScheduleSpec) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": configmap_name(spec), "namespace": spec.namespace, "labels": _labels(spec)},
-        "data": {"pipeline.yaml": text},
+        "data": {"pipeline.yaml": text, TRAINING_KEY: pod.text},
     }
 
 
-def cronjob_requirements(spec: ScheduleSpec) -> str:
+def cronjob_requirements(spec: ScheduleSpec, pod: PodConfig) -> str:
     """The comment heading the emitted file: what must exist in the namespace before `kubectl apply`."""
+    copies = "".join(f"#     {pod_path}  <- {local}\n" for local, pod_path in pod.copies)
+    hub = "".join(
+        f"#   the hub model {h} in the hub cache of {spec.state_claim} ({MOUNTS['state']}/hf-home/hub; "
+        "HF_HUB_OFFLINE=1 in the pod)\n"
+        for h in pod.hub
+    )
     return f"""# lora-pipeline: scheduled retraining of adapter {spec.name} (`kubectl apply -f` this file).
-# Emitted here: ConfigMap {configmap_name(spec)} (pipeline.yaml) and CronJob lora-retrain-{spec.name}.
+# Emitted here: ConfigMap {configmap_name(spec)} (pipeline.yaml, and {TRAINING_KEY}: {spec.config} with its
+# paths on the mounts) and CronJob lora-retrain-{spec.name} (`pipeline run {MOUNTS["config"]}/{TRAINING_KEY}`).
 # Must exist in namespace {spec.namespace} first:
 #   image {spec.image}: lora-pipeline installed (`pipeline` on PATH), CUDA torch, axolotl
 #   Secret {spec.mlflow_secret}, keys become environment variables, e.g.
@@ -354,26 +395,44 @@ def cronjob_requirements(spec: ScheduleSpec) -> str:
 #       --from-literal=MLFLOW_TRACKING_URI=https://mlflow.internal \\
 #       --from-literal=MLFLOW_TRACKING_USERNAME=... --from-literal=MLFLOW_TRACKING_PASSWORD=...
 #     plus one key per fleet instance's api_key_env (pipeline.yaml fleet.instances)
-#   PersistentVolumeClaim {spec.datasets_claim}: the datasets, mounted read-only at {MOUNTS["datasets"]}
-#     (the axolotl config {spec.config} names its files under it)
-#   PersistentVolumeClaim {spec.adapters_claim}: the fleet's adapter volume (ReadWriteMany), at {MOUNTS["adapters"]}
+#   PersistentVolumeClaim {spec.datasets_claim}: the job's inputs, mounted read-only at {MOUNTS["datasets"]};
+#     it must hold (path in the pod <- the file here):
+{copies}{hub}#   PersistentVolumeClaim {spec.adapters_claim}: the fleet's adapter volume (ReadWriteMany), at {MOUNTS["adapters"]}
 #   PersistentVolumeClaim {spec.state_claim}: pipeline state (runs, checkpoints, locks), at {MOUNTS["state"]}
 """
 
 
+def _needs_header(spec: ScheduleSpec) -> str:
+    """Comment lines naming what the job needs to exist where (pipeline.jobs.schedule_checks)."""
+    if not spec.needs:
+        return ""
+    return "# The job needs, before its first run:\n" + "".join(f"#   {n}\n" for n in spec.needs)
+
+
+def _environment(spec: ScheduleSpec, kind: str) -> list[str]:
+    """KEY=value of the job's environment (systemd/Slurm): the pinned project config, if any."""
+    env = [f"PIPELINE_CONFIG={c}"] if (c := spec.config_path(kind)) else []
+    return [*env, "HF_HUB_OFFLINE=1", "PYTHONUNBUFFERED=1"]
+
+
 def systemd_units(spec: ScheduleSpec) -> dict[str, str]:
-    """{'lora-retrain-NAME.service': ..., 'lora-retrain-NAME.timer': ...}."""
+    """{'lora-retrain-NAME.service': ..., 'lora-retrain-NAME.timer': ...}. The timer's calendar
+    carries `spec.timezone` (systemd >= 235), as the CronJob's `timeZone` does."""
     unit = f"lora-retrain-{spec.name}"
-    on_calendar = "\n".join(f"OnCalendar={c}" for c in oncalendar(spec.schedule))
-    service = f"""[Unit]
+    on_calendar = "\n".join(f"OnCalendar={c} {spec.timezone}" for c in oncalendar(spec.schedule))
+    user = f"User={spec.user}\n" if spec.user else ""
+    env = " ".join(
+        shlex.quote(e) if any(c.isspace() for c in e) else e for e in _environment(spec, "systemd")
+    )
+    service = f"""{_needs_header(spec)}[Unit]
 Description=lora-pipeline scheduled retraining of adapter {spec.name}
 Wants=network-online.target
 After=network-online.target
 
 [Service]
 Type=oneshot
-WorkingDirectory={spec.workdir}
-Environment=PIPELINE_CONFIG={spec.config_path("systemd")} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+{user}WorkingDirectory={spec.workdir}
+Environment={env}
 # MLflow credentials and fleet API keys: KEY=value lines, mode 0600, never in this unit.
 EnvironmentFile=-{spec.env_file}
 ExecStart={" ".join(shlex.quote(c) for c in spec.command("systemd"))}
@@ -422,17 +481,27 @@ def oncalendar(expr: str) -> list[str]:
     return [cal(dom, dow)]
 
 
+def scrontab_log_dir(spec: ScheduleSpec) -> str:
+    """Where the scrontab's `--output` goes (Slurm does not create it: `schedule emit` does)."""
+    return f"{spec.workdir}/logs"
+
+
 def scrontab(spec: ScheduleSpec) -> str:
-    """A Slurm scrontab entry (`scrontab -e`)."""
+    """A Slurm scrontab entry (`scrontab -e`). Its times are slurmctld's local time: scrontab has no
+    time-zone setting, so a comment says which zone was intended."""
     gres = f"#SCRON --gres=gpu:{spec.gpus}\n" if spec.gpus else ""
+    env = " ".join(shlex.quote(e) for e in _environment(spec, "scrontab"))
     return (
+        f"{_needs_header(spec)}"
+        f"# Times are slurmctld's local time zone (scrontab has none of its own); {spec.timezone} intended.\n"
         f"#SCRON --job-name=lora-retrain-{spec.name}\n"
         f"#SCRON --time={spec.time_limit_h}:00:00\n"
         f"{gres}"
         f"#SCRON --chdir={spec.workdir}\n"
-        f"#SCRON --output={spec.workdir}/logs/retrain-{spec.name}-%j.log\n"
-        f"{spec.schedule} set -a; . {shlex.quote(spec.env_file)} 2>/dev/null; set +a; "
-        f"PIPELINE_CONFIG={shlex.quote(spec.config_path('scrontab'))} "
+        f"#SCRON --output={scrontab_log_dir(spec)}/retrain-{spec.name}-%j.log\n"
+        # `. FILE` of a missing file ends a POSIX sh (dash) with exit 2 before the job starts: only if readable
+        f"{spec.schedule} if [ -r {shlex.quote(spec.env_file)} ]; then set -a; . {shlex.quote(spec.env_file)}; set +a; fi; "
+        f"{env} "
         f"{' '.join(shlex.quote(c) for c in spec.command('scrontab'))}\n"
     )
 
@@ -450,8 +519,10 @@ _Dumper.add_representer(
 def emit(kind: str, spec: ScheduleSpec) -> dict[str, str]:
     """{file name: content} for `kind` in cronjob | systemd | scrontab. Raises ValueError otherwise."""
     if kind == "cronjob":
-        docs = [configmap(spec), cronjob(spec)]
-        text = cronjob_requirements(spec) + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+        doc = cronjob(spec)  # the image first: the cheapest refusal
+        pod = pod_config(spec)
+        docs = [configmap(spec, pod), doc]
+        text = cronjob_requirements(spec, pod) + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
         return {f"lora-retrain-{spec.name}.cronjob.yaml": text}
     if kind == "systemd":
         return systemd_units(spec)

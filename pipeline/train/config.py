@@ -231,6 +231,19 @@ def missing_inputs(tc: TrainingConfig) -> list[str]:
     return msgs
 
 
+def check_dataset_entries(tc: TrainingConfig) -> None:
+    """Raise UsageError unless `datasets` / `test_datasets` are lists of mappings with a `path`."""
+    for key in ("datasets", "test_datasets"):
+        value = tc.data.get(key)
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(d, dict) and d.get("path") for d in value)
+        ):
+            raise UsageError(
+                f"{tc.path}: {key} must be a list of mappings with a path, e.g. "
+                f"--set '{key}=[{{path: data/train.jsonl, ds_type: json, type: chat_template}}]'; got {value!r}"
+            )
+
+
 def check_training_config(
     tc: TrainingConfig, max_lora_rank, allow: set[str] = frozenset(), packing: list[str] | None = None
 ) -> list:
@@ -249,15 +262,7 @@ def check_training_config(
     unknown = set(allow) - set(ALLOWABLE)
     if unknown:
         raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(ALLOWABLE)}")
-    for key in ("datasets", "test_datasets"):
-        value = tc.data.get(key)
-        if value is not None and not (
-            isinstance(value, list) and all(isinstance(d, dict) and d.get("path") for d in value)
-        ):
-            raise UsageError(
-                f"{tc.path}: {key} must be a list of mappings with a path, e.g. "
-                f"--set '{key}=[{{path: data/train.jsonl, ds_type: json, type: chat_template}}]'; got {value!r}"
-            )
+    check_dataset_entries(tc)
     if missing := missing_inputs(tc):
         raise UsageError("\n  ".join(missing))  # the first line (`pipeline run`'s JSON reason) names one
     findings = training_findings(tc, max_lora_rank, set(allow), packing=packing)

@@ -501,7 +501,18 @@ def check_datasets(
             if lengths:
                 stats.max_tokens = max(lengths)
                 stats.mean_tokens = round(sum(lengths) / len(lengths), 1)
-            if stats.too_long:
+            if (
+                stats.too_long and stats.too_long == stats.conversations
+            ):  # axolotl keeps none: train refuses it
+                report.findings.append(
+                    _error(
+                        str(path),
+                        f"all {stats.conversations} conversations exceed sequence_len {sequence_len} tokens: "
+                        "axolotl keeps none of them (shorten them or raise sequence_len)",
+                        id="dataset.too_long",
+                    )
+                )
+            elif stats.too_long:
                 report.findings.append(
                     _warning(
                         str(path),

@@ -12,9 +12,12 @@ import yaml
 from pipeline.jobs.schedule import ScheduleSpec, cronjob, emit
 from tests.support.helpers import REPO
 
+PROD = REPO / "axolotl_configs" / "qwen3.6-27b-lora.yml"
+
 
 def spec(**kw):
     kw.setdefault("image", "registry.internal/lora-pipeline:1.0")
+    kw.setdefault("project_dir", str(REPO))
     return ScheduleSpec(name="agent-tools", config="axolotl_configs/qwen3.6-27b-lora.yml", **kw)
 
 
@@ -58,7 +61,7 @@ def test_cronjob_names_its_gpus_secret_claims_and_configmap():
     c = pod["containers"][0]
     assert c["image"] == "registry.internal/lora-pipeline:1.0"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert c["command"][:3] == ["pipeline", "run", "axolotl_configs/qwen3.6-27b-lora.yml"]
+    assert c["command"][:3] == ["pipeline", "run", "/etc/lora-pipeline/training.yml"]  # from the ConfigMap
     assert {m["name"] for m in c["volumeMounts"]} == {"datasets", "adapters", "state", "config"}
     assert c["envFrom"] == [{"secretRef": {"name": "mlflow-credentials"}}]
     config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
@@ -141,7 +144,7 @@ def test_the_configmap_refuses_credentials(tmp_path):
     r = _emit("--kind", "cronjob", "--image", "r/i:1", "--pipeline-yaml", str(p))
     assert r.returncode == 2 and "credentials" in r.stderr and "hunter2" not in r.stderr + r.stdout
     p.write_text("fleet: {max_lora_rank: 32}\n")
-    r = _emit("--kind", "cronjob", "--image", "r/i:1", "--pipeline-yaml", str(p))
+    r = _emit("--kind", "cronjob", "--image", "r/i:1", "--pipeline-yaml", str(p), "--config", str(PROD))
     assert r.returncode == 0, r.stderr
     assert "max_lora_rank: 32" in r.stdout
 
@@ -186,7 +189,7 @@ def test_systemd_and_slurm_refuse_a_bare_command_name():
 def test_scrontab_line():
     text = emit("scrontab", spec(schedule="30 2 * * 1-5"))["lora-retrain-agent-tools.scrontab"]
     lines = text.strip().splitlines()
-    assert all(line.startswith("#SCRON ") for line in lines[:-1]) and "--gres=gpu:1" in text
+    assert all(line.startswith("#") for line in lines[:-1]) and "#SCRON --gres=gpu:1" in text
     fields = lines[-1].split(None, 5)
     assert fields[:5] == ["30", "2", "*", "*", "1-5"] and "/pipeline run" in fields[5]
     assert fields[5].endswith("--locked-ok")  # a run that finds the lock taken is not a failed job
