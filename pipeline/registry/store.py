@@ -61,7 +61,11 @@ def _sqlite_path(uri: str) -> Path | None:
 def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = True) -> None:
     path = _sqlite_path(uri)
     if path is None:
-        return
+        raise StoreError(
+            f"the sqlite URI {uri!r} names no database file (an in-memory store: nothing registered would "
+            "outlive the command): use sqlite:///RELATIVE/PATH or sqlite:////ABSOLUTE/PATH, or unset "
+            "MLFLOW_TRACKING_URI for the project's own store"
+        )
     marker = _marker(cfg, uri)
     if not path.exists():
         if marker.exists():

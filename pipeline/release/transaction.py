@@ -528,5 +528,5 @@ def recover_pending(
             with adapter_transaction(cfg, name) as tx:
                 notes += [f"{name}: {n}" for n in tx.notes]
         except Exception as e:  # noqa: BLE001 - reported, with what to run; the other adapters go on
-            errors.append(e)
+            errors.append(stuck(cfg, name, e))
     return notes, errors

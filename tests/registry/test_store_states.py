@@ -26,6 +26,7 @@ from pipeline.errors import StoreError
 from pipeline.fleet.state import load_state
 from pipeline.registry import store
 from tests.support import release_support
+from tests.support.helpers import REPO
 from tests.support.registry_support import Postgres, pg_bin
 from tests.support.release_support import forget_mlflow_engines, new_project, register_versions
 
@@ -229,6 +230,25 @@ def test_wrong_password_and_unknown_database_fail_fast_and_clearly(pg_project, p
         assert took < cfg.registry.connect_timeout_s + 10, took
 
 
+def test_a_postgres_server_that_never_answers_fails_within_the_timeout(tmp_path):
+    """Sibling: the port accepts (the kernel's handshake) and nothing answers: libpq's connect_timeout,
+    not MLflow's engine retries."""
+    import socket
+
+    cfg = new_project(tmp_path, registry={"connect_timeout_s": 2})
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        uri = f"postgresql://u:secret@127.0.0.1:{srv.getsockname()[1]}/mlflow"
+        t0 = time.monotonic()
+        r = _cli(cfg, "publish", "agent", "--version", "1", env={"MLFLOW_TRACKING_URI": uri})
+        took = time.monotonic() - t0
+    assert r.exit_code == 2 and "refused the connection" in r.output and "Traceback" not in r.output, r.output
+    assert "secret" not in r.output  # the password is redacted
+    assert took < 2 + 10, took
+    assert not cfg.volume.path.exists() or not list(cfg.volume.path.glob("agent-v*"))
+
+
 def _volume(cfg):
     vol = cfg.volume.path
     return sorted(p.name for p in vol.glob("agent-v*")), (vol / "fleet-state.json").read_bytes()
@@ -242,6 +262,7 @@ def _volume(cfg):
         ["promote", "agent", "3"],
         ["rollback", "agent"],
         ["fleet", "prune", "agent", "--keep", "1"],
+        ["run", str(REPO / "axolotl_configs" / "tiny-cpu.yml"), "--name", "agent"],  # before training
     ],
 )
 def test_a_role_that_cannot_write_is_refused_before_anything_changes(pg_project, role, args):
