@@ -75,6 +75,8 @@ DOORS = [
     ["rollback", "agent"],
     ["fleet", "prune", "agent"],
     ["follow-alias", "--once"],
+    ["fleet", "sync", "--follow-alias", "production"],
+    ["ui", "--port", "0"],
 ]
 
 
