@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def _hostile_files(root: Path) -> dict[str, Path]:
 def world(tmp_path_factory) -> World:
     root = tmp_path_factory.mktemp("hostile")
     w = World(root, paths=_hostile_files(root))
-    for d in ("proj", "broken-state", "not-db", "binary-state"):
+    for d in ("proj", "broken-state", "not-db", "binary-state", "emptied", "foreign"):
         (root / d).mkdir()
     proj = write_project_config(root / "proj")
     broken_state = write_project_config(root / "broken-state")
@@ -154,6 +155,23 @@ def world(tmp_path_factory) -> World:
     not_db = write_project_config(root / "not-db")
     (root / "not-db" / "state").mkdir(parents=True)
     (root / "not-db" / "state" / "mlflow.db").write_bytes(b"garbage" * 500)
+    # issue 40: stores in a state the project did not leave (it created them: its marker is there)
+    emptied = write_project_config(root / "emptied")
+    (root / "emptied" / "state").mkdir()
+    (root / "emptied" / "state" / "mlflow.db").write_bytes(b"")
+    foreign = write_project_config(root / "foreign")
+    (root / "foreign" / "state").mkdir()
+    con = sqlite3.connect(root / "foreign" / "state" / "mlflow.db")
+    con.execute("CREATE TABLE notes (body TEXT)")
+    con.commit()
+    con.close()
+    for made in (emptied, foreign):
+        from pipeline.config import load_config
+        from pipeline.registry.store import _marker
+
+        c = load_config(made)
+        _marker(c, c.tracking_uri).write_text(c.tracking_uri + "\n")
+    closed = free_port()
     base = {"PIPELINE_CONFIG": str(proj), "MLFLOW_TRACKING_URI": ""}
     w.envs = {
         "project": base,
@@ -173,6 +191,20 @@ def world(tmp_path_factory) -> World:
         # issue 30 kind 3: settings from the environment that are not what they look like
         "env-json": {**base, "PIPELINE_FLEET": "{"},
         "env-uri": {**base, "MLFLOW_TRACKING_URI": "http://[::1"},
+        # issue 40 kind 5: every URI form (a closed port where a server is needed; drivers not installed)
+        "pg-plain": {**base, "MLFLOW_TRACKING_URI": f"postgresql://u:pw@127.0.0.1:{closed}/mlflow"},
+        "pg-psycopg2": {**base, "MLFLOW_TRACKING_URI": f"postgresql+psycopg2://u:pw@127.0.0.1:{closed}/m"},
+        "pg-psycopg": {**base, "MLFLOW_TRACKING_URI": f"postgresql+psycopg://u:pw@127.0.0.1:{closed}/m"},
+        "pg-short": {**base, "MLFLOW_TRACKING_URI": f"postgres://u@127.0.0.1:{closed}/m"},
+        "mysql": {**base, "MLFLOW_TRACKING_URI": f"mysql://u:pw@127.0.0.1:{closed}/m"},
+        "mysql-pymysql": {**base, "MLFLOW_TRACKING_URI": f"mysql+pymysql://u:pw@127.0.0.1:{closed}/m"},
+        "https-closed": {**base, "MLFLOW_TRACKING_URI": f"https://127.0.0.1:{closed}"},
+        "file-uri": {**base, "MLFLOW_TRACKING_URI": f"file://{root / 'mlruns-uri'}"},
+        "bad-scheme": {**base, "MLFLOW_TRACKING_URI": "ftp://127.0.0.1/mlflow"},
+        "bad-driver": {**base, "MLFLOW_TRACKING_URI": f"postgresql+nodriver://u@127.0.0.1:{closed}/m"},
+        "sqlite-rel": {**base, "MLFLOW_TRACKING_URI": "sqlite:///"},
+        "emptied": {**base, "PIPELINE_CONFIG": str(emptied)},
+        "foreign": {**base, "PIPELINE_CONFIG": str(foreign)},
         "env-typo": {**base, "PIPELINE_VOLUME_PATH": "/elsewhere"},
         "fifo-config": {**base, "PIPELINE_CONFIG": str(w.paths["fifo"])},
         "bignum-state": {**base, "PIPELINE_CONFIG": str(bignum_state)},
@@ -185,6 +217,8 @@ def world(tmp_path_factory) -> World:
 
 NAMES = ["../escape", "a/b", "/etc/passwd", "x" * 300, "Foo", "foo-v1", "", "abc\n"]
 STORES = ["closed-port", "file-store", "not-a-db", "env-uri"]
+STORES += ["pg-plain", "pg-psycopg2", "pg-psycopg", "pg-short", "mysql", "mysql-pymysql", "https-closed"]
+STORES += ["file-uri", "bad-scheme", "bad-driver", "sqlite-rel", "emptied", "foreign"]
 CONFIGS = [
     "bad-config",
     "yaml-config",

@@ -333,6 +333,9 @@ def project_config(store: str = "any", what: str | None = None):
             "(or MLFLOW_TRACKING_URI for a registry server)"
         )
     if store == "existing" and not cfg.store_exists():
+        from pipeline.registry.store import check_store
+
+        check_store(cfg, write=False)  # a store this project created that is gone says so (issue 40)
         raise UsageError(
             (f"{what} not found: " if what else "")
             + f"no registry yet at {cfg.embedded_store} ({cfg.where()}): nothing has been registered in "

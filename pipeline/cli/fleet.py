@@ -14,7 +14,7 @@ import typer
 
 from pipeline.cli._common import JsonOption, adapter_name, exit_as, finite, log, project_config
 from pipeline.cli.render import NoHeadersOption, Output, OutputOption, output_format, print_fleet
-from pipeline.errors import FleetError, LockedError
+from pipeline.errors import FleetError, LockedError, PipelineError
 from pipeline.fleet.modes import loading_mode, resolve_served_name
 from pipeline.fleet.reconcile import CONVERGED
 from pipeline.fleet.reconcile import status as fleet_status
@@ -23,6 +23,7 @@ from pipeline.interrupt import Interrupted
 from pipeline.jobs.follow import follow_alias as follow
 from pipeline.release.desired import volume_rows
 from pipeline.release.prune import prune as fleet_prune
+from pipeline.release.transaction import recover_pending
 
 app = typer.Typer(help="The vLLM fleet: what it serves, reconcile, prune old versions.", no_args_is_help=True)
 
@@ -112,17 +113,28 @@ def _sync(watch: bool, interval: float, as_json: bool, follow_alias: str | None)
             typer.echo(f"published {len(published)} version(s) following alias {follow_alias!r}")
         return
     while True:
+        cfg = project_config()
+        # what a killed publish/rollback left: completed or undone first, or said why not (never passed over)
+        notes, stuck = recover_pending(cfg)
+        for n in notes + [str(e) for e in stuck]:
+            log.warning("%s", n)
         try:
-            reports = fleet_sync(project_config())
+            reports = fleet_sync(cfg)
         except LockedError as e:
             if not watch:
                 raise
             log.warning("skipped pass: %s", e)
             reports = None
+        except PipelineError:
+            if stuck and not watch:  # the unfinished transaction is the more urgent news
+                raise stuck[0] from None
+            raise
         if reports is not None:
             print_reports(reports, as_json)
         ok = reports is not None and all(r.ok for r in reports)
         if not watch:
+            if stuck:
+                raise stuck[0]
             exit_as(FleetError, not ok)
         time.sleep(interval)
 

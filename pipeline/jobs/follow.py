@@ -30,6 +30,7 @@ from pipeline.errors import (
 )
 from pipeline.fleet.state import load_state
 from pipeline.release.publish import publish
+from pipeline.release.transaction import recover_pending
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ def follow_alias(
     checks (validation not passed, unknown) is reported once and skipped until the alias moves
     again; other errors (registry unreachable, volume full, fleet not converged) are reported and
     retried next poll, and with `once` raised after the pass (a one-shot job must fail).
+    Every pass first completes or undoes the transactions killed commands left
+    (`transaction.recover_pending`; a warning each, and with `once` an error for one it cannot finish).
     Returns the list of `Published` (useful with `once=True`). Messages go to this module's
     logger (`pipeline.jobs.follow`); a publish's own warnings (a recovered transaction) too.
     """
@@ -113,6 +116,14 @@ def follow_alias(
     while not stop.is_set():
         wake.clear()
         failed: list[BaseException] = []  # transient failures of this pass
+        # a killed publish whose desired state already matches the alias would be skipped below as
+        # shipped, its `previous`, event and record left wrong forever: finish every record first
+        notes, stuck = recover_pending(cfg, names)
+        for n in notes:
+            log.warning("follow %s: %s", alias, n)
+        for e in stuck:
+            log.warning("follow %s: %s", alias, e)
+        failed += stuck
         try:
             todo = names or registry.model_names(cfg)
         except Exception as e:  # registry unreachable: try again next poll

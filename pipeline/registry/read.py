@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlparse
 
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
+from pipeline.registry.database import engine_uri, is_database_uri
 from pipeline.registry.store import check_store, is_server_uri
 from pipeline.registry.versions import aliases, model_exists, model_names, versions
 
@@ -131,7 +132,7 @@ def read_sqlalchemy(uri: str, names: list[str] | None) -> list[ModelRecord]:
     """Records from another database MLflow uses (postgresql, mysql, mssql), read through SQLAlchemy."""
     import sqlalchemy as sa
 
-    engine = sa.create_engine(uri, pool_pre_ping=False, connect_args=_connect_args(uri))
+    engine = sa.create_engine(engine_uri(uri), pool_pre_ping=False, connect_args=_connect_args(uri))
     try:
         with engine.connect() as con:
             cols = {c["name"] for c in sa.inspect(con).get_columns("model_versions")}
@@ -152,7 +153,7 @@ def read_sqlalchemy(uri: str, names: list[str] | None) -> list[ModelRecord]:
 
 
 def _connect_args(uri: str) -> dict:
-    return {"connect_timeout": 5} if uri.startswith(("postgresql", "mysql")) else {}
+    return {"connect_timeout": 5} if uri.startswith(("postgres", "mysql")) else {}
 
 
 # -- REST (a tracking server) ------------------------------------------------------------------------------
@@ -246,10 +247,7 @@ def backend(cfg: ProjectConfig) -> str:
         return "sqlite"
     if is_server_uri(uri) and urlparse(uri).scheme in ("http", "https") and not cfg.registry.registry_uri:
         return "rest"
-    if (
-        uri.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "mysql", "mssql")
-        and not cfg.registry.registry_uri
-    ):
+    if is_database_uri(uri) and not cfg.registry.registry_uri:
         return "sql"
     return "mlflow"
 

@@ -32,6 +32,7 @@ from pipeline.artifacts.locks import private_lock
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
 from pipeline.redact import quiet_third_party, redact, redact_uri
+from pipeline.registry.database import MLFLOW_TABLES, check_driver, engine_uri, is_database_uri, probe
 
 # MLflow's HTTP client retries 7 times with backoff factor 2 (~4 minutes) by default; a pipeline
 # command should fail within seconds. The user's environment still wins.
@@ -45,7 +46,8 @@ _last_uri: list[str] = []
 
 
 def _marker(cfg: ProjectConfig, uri: str) -> Path:
-    return cfg.state_dir / f".mlflow-init-{_uri_key(uri)}"
+    """`<state_dir>/.mlflow-init-<hash>`: this project created the store at `uri` (`mlflow_for`)."""
+    return cfg.state_dir / f".mlflow-init-{_uri_key(engine_uri(uri))}"
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -59,7 +61,11 @@ def _sqlite_path(uri: str) -> Path | None:
 def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = True) -> None:
     path = _sqlite_path(uri)
     if path is None:
-        return
+        raise StoreError(
+            f"the sqlite URI {uri!r} names no database file (an in-memory store: nothing registered would "
+            "outlive the command): use sqlite:///RELATIVE/PATH or sqlite:////ABSOLUTE/PATH, or unset "
+            "MLFLOW_TRACKING_URI for the project's own store"
+        )
     marker = _marker(cfg, uri)
     if not path.exists():
         if marker.exists():
@@ -90,6 +96,10 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
         raise StoreError(f"cannot open the MLflow database {path}: {e}") from e
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # fails under an exclusive lock
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        refuse_unknown_state(
+            cfg, uri, tables - {"sqlite_sequence", "sqlite_stat1"}, f"the MLflow database {path}"
+        )
         if write:  # a reader need not wait for a writer's (reserved) lock: sqlite lets it read
             conn.execute("BEGIN IMMEDIATE")  # takes the write lock: another process holding it blocks us
             conn.rollback()
@@ -103,9 +113,47 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
             raise StoreError(f"the MLflow database {path} is read-only here: {e}") from e
         raise StoreError(f"the MLflow database {path} cannot be used: {e}") from e
     except sqlite3.DatabaseError as e:
+        if marker.exists():
+            raise StoreError(
+                f"the MLflow database {path} is damaged or truncated ({e}), and this project created it "
+                f"({marker}). Nothing was changed: {_restore_or_anew(marker)}"
+            ) from e
         raise StoreError(f"{path} is not an MLflow sqlite database ({e}); check MLFLOW_TRACKING_URI") from e
     finally:
         conn.close()
+
+
+def _restore_or_anew(marker: Path) -> str:
+    return (
+        f"restore it from a backup; or, to start a new empty registry on purpose, move it aside and delete "
+        f"{marker} (versions published from the old registry are then refused by `publish` and `rollback`, "
+        "which check where each version directory came from)"
+    )
+
+
+def refuse_unknown_state(cfg: ProjectConfig, uri: str, tables: set[str], where: str) -> None:
+    """StoreError for a store in a state this project did not leave: MLflow would initialise it silently.
+
+    `tables`: the store's tables. Foreign (tables, none of MLflow's): always. Empty (no tables: a
+    sqlite file truncated to 0 bytes, a dropped schema, a new database at the same URI) while this
+    project's marker says it created the store here (`mlflow_for`): its versions would be numbered
+    from 1 again while the old ones are on the volume. A new, empty store the project never used is
+    initialised as before (first use).
+    """
+    if tables and not MLFLOW_TABLES & tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StoreError(
+            f"{where} is not an MLflow store: it has tables ({shown}) but none of MLflow's "
+            f"({', '.join(sorted(MLFLOW_TABLES))}), and MLflow would add its own next to them. Nothing was "
+            "changed: check MLFLOW_TRACKING_URI / registry.tracking_uri, or point it at an empty database"
+        )
+    marker = _marker(cfg, uri)
+    if not tables and marker.exists():
+        raise StoreError(
+            f"{where} is empty (no tables), but this project created its registry there before ({marker}): "
+            "it was truncated, dropped or replaced, and MLflow would silently start a new registry whose "
+            f"version numbers collide with the published ones. Nothing was changed: {_restore_or_anew(marker)}"
+        )
 
 
 def _owner_hint(path: Path, what: str) -> str:
@@ -217,10 +265,13 @@ def _check_uri(cfg: ProjectConfig, uri: str, write: bool = True) -> None:
         _check_sqlite(cfg, uri, timeout_s, write)
     elif scheme in ("http", "https"):
         _check_http(uri, timeout_s)
-    elif db in ("postgresql", "postgres", "mysql", "mssql"):
+    elif is_database_uri(uri):
         u = urllib.parse.urlparse(uri)
         default = {"mysql": 3306, "mssql": 1433}.get(db, 5432)
+        check_driver(uri)  # a missing driver is named before any connection
         _check_tcp(uri, u.hostname, u.port or default, timeout_s)
+        found = probe(uri, timeout_s, write)  # driver, login, tables; for a writer: privileges
+        refuse_unknown_state(cfg, uri, found.tables, f"the MLflow store {redact_uri(uri)}")
     elif scheme in ("", "file") or len(scheme) == 1:
         allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("1", "true", "yes")
         if not allowed:
@@ -230,6 +281,12 @@ def _check_uri(cfg: ProjectConfig, uri: str, write: bool = True) -> None:
                 f"the project's {cfg.state_dir}/mlflow.db); migrate old data with `mlflow migrate-filestore`, "
                 f"or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
             )
+    elif not scheme.startswith("databricks"):
+        raise StoreError(
+            f"the MLflow store URI {redact_uri(uri)} has the scheme {scheme!r}, which this pipeline does not "
+            "support: use sqlite:///PATH (the default, in the state directory), postgresql://USER:PASSWORD@HOST/DB, "
+            "mysql+pymysql://USER:PASSWORD@HOST/DB or http(s)://HOST:PORT (a tracking server); see docs/registry.md"
+        )
 
 
 def store_exists(cfg: ProjectConfig) -> bool:
@@ -287,13 +344,13 @@ def mlflow_for(cfg: ProjectConfig):
     # prefers over the config file: the next config in this process (or any child, e.g. a test's
     # `pipeline register`) would silently use this store. Keep the environment as it was.
     env_before = os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)
+    mlflow.set_tracking_uri(engine_uri(uri))  # `postgresql://`: the driver the project ships
     if env_before is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = env_before
     if cfg.registry.registry_uri:
-        mlflow.set_registry_uri(cfg.registry.registry_uri)
+        mlflow.set_registry_uri(engine_uri(cfg.registry.registry_uri))
     try:
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

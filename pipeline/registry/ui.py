@@ -47,6 +47,7 @@ from pipeline.children import guarded
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.redact import add_secret
+from pipeline.registry.database import engine_uri
 
 CREDENTIALS_FILE = "ui-credentials.json"
 DEFAULT_USER = "admin"
@@ -161,9 +162,9 @@ def server_command(cfg: ProjectConfig, host: str, port: int) -> tuple[list[str],
         "--app-name",
         "basic-auth",
     ]
-    env = {"MLFLOW_BACKEND_STORE_URI": cfg.tracking_uri}
+    env = {"MLFLOW_BACKEND_STORE_URI": engine_uri(cfg.tracking_uri)}  # the driver the project ships
     if cfg.registry.registry_uri:
-        env["MLFLOW_REGISTRY_STORE_URI"] = cfg.registry.registry_uri
+        env["MLFLOW_REGISTRY_STORE_URI"] = engine_uri(cfg.registry.registry_uri)
     dest = registry.artifact_location(cfg)
     if dest:
         env["MLFLOW_ARTIFACTS_DESTINATION"] = dest

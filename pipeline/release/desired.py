@@ -55,7 +55,8 @@ def desired_drift(
                 state.version(n),
                 production.get(n),
                 f"{n}: an interrupted {intent.describe()} stopped at phase {intent.phase!r}: the next "
-                f"`pipeline publish`, `promote` or `rollback` of {n} completes or undoes it",
+                f"`pipeline publish`, `promote`, `rollback` of {n}, `follow-alias` or `fleet sync` completes "
+                "or undoes it",
             )
         )
     return rows

@@ -451,7 +451,10 @@ def adapter_transaction(
         ),
     ):
         tx = Transaction(name)
-        tx.recovered = recover(cfg, name, prefer, wanted)
+        try:
+            tx.recovered = recover(cfg, name, prefer, wanted)
+        except Exception as e:
+            raise stuck(cfg, name, e) from e
         if tx.recovered:
             tx.notes.append(tx.recovered.note)
         yield tx
@@ -470,3 +473,60 @@ def incomplete(cfg: ProjectConfig, e: BaseException, intent: Intent) -> BaseExce
         return type(err)(str(err) + note)
     except TypeError:
         return err
+
+
+def stuck(cfg: ProjectConfig, name: str, e: BaseException) -> BaseException:
+    """The error that kept recovery from finishing `name`'s record, with the ways out: what to fix and run
+    again, or how to give the record up. Any other exception is returned unchanged."""
+    err = e if isinstance(e, PipelineError) else as_store_error(e)
+    p = intent_path(cfg.volume.path, name)
+    if err is None or not p.exists() or "; its record " in str(err):
+        return e
+    try:
+        intent = load_intent(cfg.volume.path, name)
+    except UsageError:
+        return err  # the record itself is unreadable: its message says to delete it
+    what = intent.describe() if intent else f"transaction on {name}"
+    note = (
+        f"\nthe interrupted {what} could not be completed or undone; its record {p} stays. Fix what is "
+        f"named above and run the command again (every publish, promote, rollback, prune, follow-alias and "
+        f"fleet sync of {name} completes or undoes it first); or give it up: compare `pipeline status {name}` "
+        f"with `pipeline fleet status`, put back what differs (`pipeline rollback {name} --to N`), then "
+        f"delete {p}"
+    )
+    try:
+        return type(err)(str(err) + note)
+    except TypeError:
+        return err
+
+
+def pending(cfg: ProjectConfig) -> list[str]:
+    """Adapters whose unfinished transaction left a record (`<volume>/.txn/<NAME>.json`), sorted."""
+    vol = Path(cfg.volume.path)
+    if not real_dir(vol / TXN, vol):
+        return []
+    return sorted(p.stem for p in (vol / TXN).glob("*.json"))
+
+
+def recover_pending(
+    cfg: ProjectConfig, names: list[str] | None = None
+) -> tuple[list[str], list[BaseException]]:
+    """Complete or undo every unfinished transaction (of `names`, default all); what the follower and
+    `fleet sync` run first, so that a record a killed publish left is never silently passed over
+    (its desired state already matches `production`: nothing else would look at it).
+
+    Returns (notes saying what was done, errors saying why one could not be finished and what to
+    run: `stuck`). Takes each adapter's lock (LockedError among the errors when another command
+    holds it: that command recovers it).
+    """
+    notes: list[str] = []
+    errors: list[BaseException] = []
+    for name in pending(cfg):
+        if names and name not in names:
+            continue
+        try:
+            with adapter_transaction(cfg, name) as tx:
+                notes += [f"{name}: {n}" for n in tx.notes]
+        except Exception as e:  # noqa: BLE001 - reported, with what to run; the other adapters go on
+            errors.append(stuck(cfg, name, e))
+    return notes, errors

@@ -55,6 +55,7 @@ from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, PipelineError, UsageError
 from pipeline.interrupt import Interrupted, shielded
 from pipeline.redact import copy_redacted
+from pipeline.registry.database import engine_uri
 from pipeline.train.config import TrainingConfig, check_training_config, load_training_config
 from pipeline.train.data_gate import axolotl_view, dataset_gate, dataset_report
 from pipeline.train.dataset import DatasetReport
@@ -389,7 +390,7 @@ def train(
     env = train_env(
         {
             "PIPELINE_METRICS_FILE": str(metrics_file),
-            "MLFLOW_TRACKING_URI": cfg.tracking_uri,
+            "MLFLOW_TRACKING_URI": engine_uri(cfg.tracking_uri),  # `postgresql://`: the shipped driver
             # the trainer's datasets cache is named by the data's bytes too: when it tokenizes (nothing
             # prepared here), the rows come from the files' bytes (pipeline.train.datasets_scope)
             "HF_DATASETS_CACHE": str(by_content(ds_report.fingerprint)),
