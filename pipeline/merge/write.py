@@ -1,7 +1,7 @@
 """Writing merged shards: byte-range copies of untouched tensors, chunked W + scale * B @ A for adapted ones.
 
 Where the time goes (benchmarks/merge.py, 2 cores): torch's start-up, the sha256 of every output
-byte (~1.8 GB/s on one core), and the arithmetic (~5 GB/s of bf16 per core); the bytes move in the
+byte (~1.8 GB/s on one core), and the arithmetic (in fp32 chunks, `_write_merged`); the bytes move in the
 kernel (`preadv` from the page cache straight into page-aligned staging buffers, `O_DIRECT` writes
 out of them). So: no Python-level copies, W is read into the buffer the merged rows are written
 from, and compute, write and hash run on three threads per shard.
