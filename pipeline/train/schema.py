@@ -188,11 +188,15 @@ def _cache_key(plugins: list[str]) -> str | None:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cache_dir() -> Path:
-    """`$PIPELINE_CACHE_DIR`, else `$XDG_CACHE_HOME/lora-pipeline`, else `~/.cache/lora-pipeline`."""
+def cache_dir() -> Path | None:
+    """`$PIPELINE_CACHE_DIR`, else `$XDG_CACHE_HOME/lora-pipeline`, else `~/.cache/lora-pipeline`; None for a
+    user without a home directory (a service account): nothing is cached then."""
     if d := os.environ.get("PIPELINE_CACHE_DIR"):
         return Path(d)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-pipeline"
+    if d := os.environ.get("XDG_CACHE_HOME"):
+        return Path(d) / "lora-pipeline"
+    home = os.path.expanduser("~")
+    return Path(home) / ".cache" / "lora-pipeline" if os.path.isabs(home) else None
 
 
 def key_tree(data: dict, cached_only: bool = False) -> KeyTree | None:
@@ -205,7 +209,8 @@ def key_tree(data: dict, cached_only: bool = False) -> KeyTree | None:
     """
     plugins = _plugins(data)
     key = _cache_key(plugins)
-    path = cache_dir() / f"axolotl-keys-{key}.json" if key else None
+    where = cache_dir()
+    path = where / f"axolotl-keys-{key}.json" if key and where else None
     if path is not None:
         try:
             raw = json.loads(path.read_text())
