@@ -112,11 +112,6 @@ class KeyTree:
         return {k for i in self.root for k in self.models[i]["keys"]}
 
 
-def model_keys(models: list[type]) -> set[str]:
-    """Every top-level key (field names and aliases) the models accept."""
-    return {k for m in models for k in _names(m)}
-
-
 def unknown_keys(data: dict, schema: KeyTree | list[type], prefix: str = "") -> list[tuple[str, str | None]]:
     """(dotted path, closest known key) for every key of `data` that none of the models declares.
 
