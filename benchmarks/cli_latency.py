@@ -18,12 +18,18 @@ Then, `--repeats` times each, round-robin so load drifts hit every command alike
 | `promote` | alternates v1/v2, both already on the volume: publish's overhead beyond copying, no fleet |
 | `rollback` | production back to previous (no fleet) |
 | `dataset check` | 30 chat lines, no tokenizer |
+| `train`/`run` option typo | `--lerning-rate 0.001`: click's usage error (exit 2) with the `--set` hint (issue 41 item 4) |
+| `train` overlay key typo | `--overlay` with `gradient_acumulation_steps`: refused (exit 1) from axolotl's cached keys |
+| `run --set` key typo | `--set learning_rat=0.1`: the same refusal through the scheduled job |
 | `ui` (until /health) | `pipeline ui --port 0` until the server answers, then SIGTERM |
 
 Each row gives median and max wall seconds, the median CPU seconds of the process tree (user +
 system, from `getrusage(RUSAGE_CHILDREN)`: what the command costs on an idle core, whatever the
 load), the ratio to `--help`'s median, the goal and whether the median CPU time meets it. Goals:
-issue 17 (`status` < 1.5 s, `validate` < 2 s) and issue 27 (state-changing commands < 2 s idle).
+issue 17 (`status` < 1.5 s, `validate` < 2 s), issue 27 (state-changing commands < 2 s idle) and
+issue 41 (usage and schema errors < 1 s). The typo rows read axolotl's config keys from the cache
+`pipeline.train.schema.key_tree` keeps (any earlier check on the machine fills it); setup fills it
+first (not timed; `--smoke` does not, so its first typo row may pay axolotl's import once).
 Results go to `--out` as JSON.
 """
 
@@ -66,6 +72,7 @@ def setup(root: Path) -> tuple[dict, Path, Path]:
     publish(cfg, "agent-tools", version=1)
     lines = (REPO / "datasets" / "agent_chat_train.jsonl").read_text().splitlines()[:30]
     (root / "thirty.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "typo.yml").write_text("gradient_acumulation_steps: 4\n")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(PIPELINE_CONFIG=str(cfg_path), PYTHONPATH=str(REPO))
     return env, adapters[0], base
@@ -76,12 +83,12 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed(args: list[str], env: dict, cwd: Path) -> tuple[float, float]:
-    """(wall s, CPU s of the process tree) of one run; RuntimeError if it fails."""
+def timed(args: list[str], env: dict, cwd: Path, expect: int = 0) -> tuple[float, float]:
+    """(wall s, CPU s of the process tree) of one run; RuntimeError if it exits other than `expect`."""
     c, t = _children_cpu(), time.perf_counter()
     r = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True)
     dt, cpu = time.perf_counter() - t, _children_cpu() - c
-    if r.returncode != 0:
+    if r.returncode != expect:
         raise RuntimeError(f"{' '.join(args)} exited {r.returncode}:\n{r.stderr[-2000:]}")
     return dt, cpu
 
@@ -116,14 +123,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cli-latency-") as td:
         root = Path(td)
         env, adapter, base = setup(root)
+        if (
+            not args.smoke
+        ):  # axolotl's keys, as any earlier check on the machine leaves them (imports axolotl)
+            from pipeline.train.passthrough import config_keys
+            from pipeline.train.schema import key_tree
+
+            key_tree({})
+            config_keys()
+        tiny = str(REPO / "axolotl_configs" / "tiny-cpu.yml")
         uri = f"sqlite:///{root / 'state' / 'mlflow.db'}"
         p = ["-m", "pipeline"]
         floor = (
             "from mlflow import MlflowClient\n"
             f"MlflowClient({uri!r}, registry_uri={uri!r}).get_registered_model('agent-tools')"
         )
-        # name -> (argv or a special, goal seconds or None)
-        commands: dict[str, tuple[object, float | None]] = {
+        # name -> (argv or a special, goal seconds or None[, expected exit code])
+        commands: dict[str, tuple] = {
             "--help": ([*p, "--help"], None),
             "import mlflow": (["-c", "import mlflow"], None),
             "MLflow client + store": (["-c", floor], None),
@@ -134,6 +150,11 @@ def main() -> None:
             "promote (no copy, no fleet)": ("promote", 2.0),
             "rollback (no fleet)": ([*p, "rollback", "agent-tools"], 2.0),
             "dataset check (30 lines)": ([*p, "dataset", "check", str(root / "thirty.jsonl")], 2.0),
+            # usage and schema errors (exit 2, 1), refused before any heavy import (issue 41 item 4)
+            "train option typo": ([*p, "train", tiny, "--lerning-rate", "0.001"], 1.0, 2),
+            "run option typo": ([*p, "run", tiny, "--lerning-rate", "0.001"], 1.0, 2),
+            "train overlay key typo": ([*p, "train", tiny, "--overlay", str(root / "typo.yml")], 1.0, 1),
+            "run --set key typo": ([*p, "run", tiny, "--set", "learning_rat=0.1"], 1.0, 1),
         }
         if not args.smoke:
             commands["ui (until /health)"] = ("ui", None)
@@ -142,7 +163,7 @@ def main() -> None:
         load = []
         for i in range(repeats):
             load.append(os.getloadavg()[0])
-            for name, (cmd, _) in commands.items():
+            for name, (cmd, _, *expect) in commands.items():
                 if cmd == "ui":
                     w, c = timed_ui(env, root)
                 else:
@@ -151,12 +172,12 @@ def main() -> None:
                     elif cmd == "register":  # a new adapter each time: a new version
                         a = adapter_with_manifest(base, root / f"r{i}", seed=100 + i)
                         cmd = [*p, "register", str(a), "--name", "agent-tools", "--base", str(base)]
-                    w, c = timed(cmd, env, root)
+                    w, c = timed(cmd, env, root, *expect)
                 wall[name].append(w)
                 cpu[name].append(c)
     base_med = statistics.median(wall["--help"])
     rows = []
-    for name, (_, goal) in commands.items():
+    for name, (_, goal, *_expect) in commands.items():
         med, cmed = statistics.median(wall[name]), statistics.median(cpu[name])
         rows.append(
             {

@@ -16,7 +16,6 @@ import typer
 from typer.core import TyperCommand
 
 from pipeline.errors import UsageError
-from pipeline.train.passthrough import config_keys
 
 
 class Launcher(StrEnum):
@@ -64,6 +63,9 @@ class DashDashCommand(TyperCommand):
 
 
 def _config_hint(option: str) -> str:
+    # a usage error must not pay for the training side's imports; the keys come from a cache (< 1 s)
+    from pipeline.train.passthrough import config_keys  # lazy: see above
+
     key = option.lstrip("-").replace("-", "_")
     keys = config_keys()
     if key in keys:

@@ -23,9 +23,7 @@ from pipeline.cli._training import (
 )
 from pipeline.errors import LockedError, UsageError
 from pipeline.interrupt import Interrupted
-from pipeline.jobs.follow import follow_alias
-from pipeline.jobs.run import run
-from pipeline.jobs.webhook import WebhookReceiver
+from pipeline.train.schema import refuse_unknown_keys
 
 app = typer.Typer()
 
@@ -63,6 +61,11 @@ def run_cmd(
     143/130 stopped by SIGTERM/SIGINT (status `killed`; a publish in progress is completed first).
     """
     try:
+        after = launcher_args(ctx)
+        # usage and key errors first, from axolotl's cached keys only (a skipped run must stay fast): < 1 s
+        refuse_unknown_keys(config, set_, overlay, cached_only=True)
+        from pipeline.jobs.run import run  # lazy: registry, training and release cost ~2 s of imports
+
         out = run(
             project_config(),
             config,
@@ -73,7 +76,7 @@ def run_cmd(
             allow=set(allow),
             gpus=gpus,
             launcher=launcher.value if launcher else None,
-            launcher_args=launcher_args(ctx),
+            launcher_args=after,
             strategy=strategy.value,
             show_progress=True,  # a bar on a terminal, a progress line every 30 s otherwise
         )
@@ -124,6 +127,9 @@ def follow_alias_cmd(
     """Publish a model's ALIAS version whenever the alias moves.
 
     Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
+    from pipeline.jobs.follow import follow_alias  # lazy: `pipeline run` must not pay for these imports
+    from pipeline.jobs.webhook import WebhookReceiver  # lazy: as above
+
     cfg = project_config(store="read")  # a sidecar may start before the first registration
     wake = threading.Event()
     ctx = contextlib.nullcontext()

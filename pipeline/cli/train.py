@@ -17,7 +17,7 @@ from pipeline.cli._training import (
     StrategyOption,
     launcher_args,
 )
-from pipeline.train.launch import train as run_train
+from pipeline.train.schema import refuse_unknown_keys
 
 app = typer.Typer()
 
@@ -53,6 +53,11 @@ def train(
     keys as `--key value` (checked like --set); nothing else. Progress and messages go to stderr; the
     result (adapter path, run id, losses, tokens/s) to stdout, as one JSON object with `--json`.
     """
+    after = launcher_args(ctx)
+    refuse_unknown_keys(config, set_, overlay)  # usage and key errors first: < 1 s (issue 41 item 4)
+    # the trainer's side (registry, validate, datasets) costs ~1.5 s of imports: refusals come first
+    from pipeline.train.launch import train as run_train  # lazy: see above
+
     res = run_train(
         project_config(),
         config,
@@ -62,7 +67,7 @@ def train(
         name=name,
         gpus=gpus,
         launcher=launcher.value if launcher else None,
-        launcher_args=launcher_args(ctx),
+        launcher_args=after,
         strategy=strategy.value,
         show_progress=progress,
     )

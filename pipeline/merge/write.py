@@ -1,7 +1,7 @@
 """Writing merged shards: byte-range copies of untouched tensors, chunked W + scale * B @ A for adapted ones.
 
 Where the time goes (benchmarks/merge.py, 2 cores): torch's start-up, the sha256 of every output
-byte (~1.8 GB/s on one core), and the arithmetic (~5 GB/s of bf16 per core); the bytes move in the
+byte (~1.8 GB/s on one core), and the arithmetic (in fp32 chunks, `_write_merged`); the bytes move in the
 kernel (`preadv` from the page cache straight into page-aligned staging buffers, `O_DIRECT` writes
 out of them). So: no Python-level copies, W is read into the buffer the merged rows are written
 from, and compute, write and hash run on three threads per shard.
@@ -232,14 +232,22 @@ def _read_into(src_fd: int, view: memoryview, offset: int) -> None:
 
 
 def _write_merged(src_fd: int, entry: Entry, a, b, advance, w: StagedWriter, device) -> None:
-    """W + scale * (B @ A) accumulated in fp32, in row chunks, rounded once, straight into `w`'s buffers.
+    """W + scale * (B @ A) computed in fp32, in row chunks, rounded once to the output dtype, straight into
+    `w`'s buffers.
 
-    When W, A, B and the output share a dtype, each chunk of W is read (`preadv`) straight into the
-    staging buffer and `addmm_` adds scale * B @ A there in place; `StagedWriter`'s threads write and
-    hash the buffer while the next chunk is computed. Otherwise W's rows are read into a scratch
-    tensor and computed in fp32. A row that straddles two staging buffers goes through a small
-    bounce buffer. Why `preadv` and not the source's mapping: reading 6 GB through a mapping cost
-    its page faults and torch's copy of W into the output (`addmm(out=)`), ~0.25 CPU-s per GB on 3
+    Each chunk of W is read (`preadv`) into the staging buffer (into a scratch tensor when W's dtype is
+    not the output's), upcast (exactly) into an fp32 work tensor where `addmm_` adds scale * B @ A with
+    the factors upcast once, and one cast (round to nearest even) writes the chunk back into the
+    buffer; `StagedWriter`'s threads write and hash it while the next chunk is computed. A row that
+    straddles two staging buffers goes through a small bounce buffer.
+
+    Why fp32 and not one bf16 `addmm_` in place (which also accumulates in fp32 and rounds once): on a
+    CPU without bf16 instructions (AVX2 only: no AVX512_BF16 / AMX) oneDNN's bf16 GEMM is emulated,
+    1.38 s for a 5120x17408 weight at r=16 against 0.27 s upcast-add-cast (issue 41 item 4;
+    benchmarks/RESULTS.md gives both kinds of CPU), and the fp32 path is as exact: W and the factors
+    widen exactly, B @ A and the sum are rounded in fp32, the result once to bf16 (tests/merge
+    `test_fp32_chunks_are_as_exact_as_a_bf16_gemm`). Why `preadv` and not the source's mapping:
+    reading 6 GB through a mapping cost its page faults and torch's copy, ~0.25 CPU-s per GB on 3
     concurrent shards, against ~0.18 for the kernel's copy (benchmarks/merge.py, 2 cores).
     a, b: A [r, in] and B [out, r] as the adapter stores them (embedding: A [r, vocab], B [dim, r]),
     on `device`; with a GPU the chunk is computed there (host -> device, addmm, back to the buffer).
@@ -252,38 +260,29 @@ def _write_merged(src_fd: int, entry: Entry, a, b, advance, w: StagedWriter, dev
     if entry.src_offset + entry.src_nbytes > os.fstat(src_fd).st_size:
         raise MergeError(f"{entry.name}: the base shard ends before this tensor: it changed or is truncated")
     src_dtype, out_dtype = dt[entry.src_dtype], dt[entry.dtype]
-    # One GEMM per chunk when W, A, B and the output share a dtype: `addmm_` accumulates B @ A in fp32,
-    # adds W in fp32 and rounds once (oneDNN / cuBLAS with fp32 compute), i.e. the fp32 path's result
-    # without its two casting passes (benchmarks/merge.py: ~1.4x faster; 1.5e-7 of the elements
-    # differ from the fp32 path by summation order, both as close to the exactly rounded value).
-    direct = a.dtype == b.dtype == src_dtype == out_dtype
-    on_gpu = device.type == "cuda"
+    a32, b32 = a.float(), b.float()  # exact for bf16/fp16 factors; once per tensor, not per chunk
     out_row = cols * torch.empty((), dtype=out_dtype).element_size()
     row_bytes = cols * torch.empty((), dtype=src_dtype).element_size()
-    max_rows = max(1, CHUNK_BYTES // ((2 if direct else 4) * cols))
+    max_rows = max(1, CHUNK_BYTES // (4 * cols))
     bounce = torch.empty(1, cols, dtype=out_dtype)
-    scratch = None if direct and not on_gpu else torch.empty(min(max_rows, rows), cols, dtype=src_dtype)
+    work = torch.empty(min(max_rows, rows), cols, dtype=torch.float32, device=device)
+    scratch = None if src_dtype == out_dtype else torch.empty(min(max_rows, rows), cols, dtype=src_dtype)
     r0 = 0
     while r0 < rows:
         sp = w.space(min(max_rows, rows - r0) * out_row)
         fits = len(sp) // out_row  # whole rows that fit in the staging buffer
         target = torch.frombuffer(sp, dtype=out_dtype, count=fits * cols).view(fits, cols) if fits else bounce
         n = max(fits, 1)
-        m1, m2 = (a[:, r0 : r0 + n].T, b.T) if pair.embedding else (b[r0 : r0 + n], a)
-        off = entry.src_offset + r0 * row_bytes
-        if scratch is None:  # W's rows straight into the output, the product added in place
-            _read_into(src_fd, memoryview(target.view(torch.uint8).numpy()).cast("B"), off)
-            target.addmm_(m1, m2, alpha=pair.scale)
-        else:
-            w_rows = scratch[:n]
-            _read_into(src_fd, memoryview(w_rows.view(torch.uint8).numpy()).cast("B"), off)
-            if direct:
-                target.copy_(torch.addmm(w_rows.to(device), m1, m2, alpha=pair.scale))
-            else:
-                x = w_rows.to(device=device, dtype=torch.float32)
-                x.addmm_(m1.float(), m2.float(), alpha=pair.scale)
-                target.copy_(x)
-        del target  # drops torch's export of `sp`
+        m1, m2 = (a32[:, r0 : r0 + n].T, b32.T) if pair.embedding else (b32[r0 : r0 + n], a32)
+        w_rows = target if scratch is None else scratch[:n]  # W's rows: straight into the output buffer
+        _read_into(
+            src_fd, memoryview(w_rows.view(torch.uint8).numpy()).cast("B"), entry.src_offset + r0 * row_bytes
+        )
+        x = work[:n]
+        x.copy_(w_rows)  # widen (and, with a GPU, host -> device)
+        x.addmm_(m1, m2, alpha=pair.scale)
+        target.copy_(x)  # the one rounding to the output dtype
+        del target, w_rows  # drops torch's export of `sp`
         sp.release()
         if fits:
             w.commit(n * out_row)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from pipeline.artifacts.bounded import MIB, BoundsError, load_yaml_file, loads_yaml
 from pipeline.errors import CheckFailed, UsageError
-from pipeline.validate.catalogue import catalogue
-from pipeline.validate.report import FleetRules
-from pipeline.validate.rules import RULES
-from pipeline.validate.train_checks import check_training
+
+if TYPE_CHECKING:
+    from pipeline.validate.report import FleetRules
 
 # Short ids `pipeline train --allow` accepted before the rules were unified, mapped to the rule ids
 # (pipeline.validate: one rule set for `train` and `validate`, docs/validation.md).
@@ -34,17 +34,31 @@ LEGACY_ALLOW = {
     "targets": "config.required",
     "base_model": "train.base_model",
 }
-# Every id `--allow` accepts: every finding id of the catalogue (pipeline.validate.catalogue: the rules, dataset.*,
-# fleet.*, canary.*), the legacy short ids, and the GPU preflight's memory estimate
-# (pipeline.train.preflight.logits_memory_problem).
-ALLOWABLE = (
-    {i: e.doc for i, e in catalogue().items()}
-    | {k: RULES[v].doc for k, v in LEGACY_ALLOW.items()}
-    | {"logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU"}
-    | {
-        "dataset.dropped": "axolotl would drop more than train.max_dropped_share of the conversations or trainable tokens"
-    }
-)
+
+
+def allowable() -> dict[str, str]:
+    """Every id `--allow` accepts, with its doc line: every finding id of the catalogue
+    (pipeline.validate.catalogue: the rules, dataset.*, fleet.*, canary.*), the legacy short ids, and the GPU
+    preflight's memory estimate (pipeline.train.preflight.logits_memory_problem). Also `ALLOWABLE`."""
+    # reading a config (and refusing its key typos) must not pay for pipeline.validate's ~0.8 s of imports
+    from pipeline.validate.catalogue import catalogue  # lazy: ~0.8 s, see above
+    from pipeline.validate.rules import RULES  # lazy: as above
+
+    return (
+        {i: e.doc for i, e in catalogue().items()}
+        | {k: RULES[v].doc for k, v in LEGACY_ALLOW.items()}
+        | {"logits_memory": "the materialised logits plus weights are estimated not to fit the detected GPU"}
+        | {
+            "dataset.dropped": "axolotl would drop more than train.max_dropped_share of the conversations or "
+            "trainable tokens"
+        }
+    )
+
+
+def __getattr__(name: str):  # `ALLOWABLE`, computed when first asked for (`allowable`)
+    if name == "ALLOWABLE":
+        return allowable()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -146,6 +160,8 @@ def load_training_config(path: Path, overrides: list[str] = (), overlays: list[P
 
 
 def _rules(fleet) -> FleetRules:
+    from pipeline.validate.report import FleetRules  # lazy: pipeline.validate costs ~0.8 s (`allowable`)
+
     return fleet if isinstance(fleet, FleetRules) else FleetRules(max_lora_rank=int(fleet))
 
 
@@ -161,6 +177,8 @@ def training_findings(
     `fleet` is a `FleetRules` (or, as before, just the fleet's max_lora_rank). `packing`: the GPU preflight's
     sample-packing problems (`pipeline.train.preflight.packing_problems`), reported as `train.sample_packing`.
     """
+    from pipeline.validate.train_checks import check_training  # lazy: as in `allowable`
+
     rules = _rules(fleet)
     return check_training(
         tc.data, str(tc.path), rules, served_dir or rules.served_path, _allowed(allow), packing=packing
@@ -259,9 +277,10 @@ def check_training_config(
             not there (`missing_inputs`: a data file, a moved base directory), before any rule runs.
         CheckFailed (exit 1): a rule's error, or no `datasets`.
     """
-    unknown = set(allow) - set(ALLOWABLE)
+    allowed = allowable()
+    unknown = set(allow) - set(allowed)
     if unknown:
-        raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(ALLOWABLE)}")
+        raise UsageError(f"--allow {sorted(unknown)}: unknown check id; allowed: {sorted(allowed)}")
     check_dataset_entries(tc)
     if missing := missing_inputs(tc):
         raise UsageError("\n  ".join(missing))  # the first line (`pipeline run`'s JSON reason) names one

@@ -19,7 +19,7 @@ import difflib
 from dataclasses import dataclass, field
 
 from pipeline.errors import UsageError
-from pipeline.train.schema import axolotl_models, model_keys
+from pipeline.train.schema import key_tree
 
 
 @dataclass
@@ -44,8 +44,10 @@ def _launcher_actions(launcher: str) -> dict[str, bool]:
 
 
 def config_keys() -> set[str]:
-    """Top-level keys of axolotl's config model (with the pipeline plugin's and the shipped plugins')."""
-    return model_keys(axolotl_models({"plugins": ["axolotl.integrations.liger.LigerPlugin"]}))
+    """Top-level keys of axolotl's config model (with the pipeline plugin's and the shipped plugins'), from
+    the cache of `pipeline.train.schema.key_tree` (no axolotl import once cached)."""
+    tree = key_tree({"plugins": ["axolotl.integrations.liger.LigerPlugin"]})
+    return tree.top_keys() if tree else set()
 
 
 def split_passthrough(args: list[str], launcher: str) -> Passthrough:

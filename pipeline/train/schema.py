@@ -8,18 +8,31 @@ models (nested ones too: each `datasets` entry against axolotl's dataset models,
 ...) and refuses every key none of them declares, naming where it came from (the config file,
 an overlay, or `--set`) and the closest known key (difflib). Then axolotl's `validate_config`
 checks the values.
+
+Importing axolotl costs 10-20 s, so the keys its models accept are kept as data (`KeyTree`: each
+model's keys and the models a key's value is checked against) in a cache file keyed by what
+decides them (axolotl's, pydantic's and each plugin's distribution version; the pipeline plugin's
+source): the first check with a new key computes it, every later one refuses a typo in well under
+a second without importing axolotl or torch (benchmarks/cli_latency.py, `train` option typo).
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
+import logging
+import os
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
+from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.errors import CheckFailed
-from pipeline.train.config import TrainingConfig
+from pipeline.train.config import TrainingConfig, load_training_config
+
+log = logging.getLogger(__name__)
 
 # Keys the pipeline itself reads from an axolotl config (axolotl's models do not declare them).
 # `base_model_revision`: the base's pinned commit; `pipeline train` passes it to axolotl as
@@ -70,27 +83,53 @@ def _names(model: type) -> dict[str, object]:
     return out
 
 
-def model_keys(models: list[type]) -> set[str]:
-    """Every top-level key (field names and aliases) the models accept."""
-    return {k for m in models for k in _names(m)}
+@dataclass(frozen=True)
+class KeyTree:
+    """The keys pydantic models accept, as data: `models` {model id: {"extra": allows any key,
+    "keys": {key: [ids of the models the key's value is checked against]}}}, `root` the top-level
+    models' ids. Built once from the models (`of`), then read without importing them."""
+
+    models: dict[str, dict]
+    root: list[str]
+
+    @classmethod
+    def of(cls, models: list[type]) -> KeyTree:
+        ids: dict[type, str] = {}
+        out: dict[str, dict] = {}
+        stack = list(models)
+        while stack:
+            m = stack.pop()
+            if m in ids:
+                continue
+            ids[m] = str(len(ids))
+            stack.extend(s for ann in _names(m).values() for s in _models_in(ann))
+        for m, i in ids.items():
+            keys = {k: [ids[s] for s in _models_in(ann)] for k, ann in _names(m).items()}
+            out[i] = {"extra": m.model_config.get("extra") == "allow", "keys": keys}
+        return cls(out, [ids[m] for m in models])
+
+    def top_keys(self) -> set[str]:
+        return {k for i in self.root for k in self.models[i]["keys"]}
 
 
-def _allows_extra(models: list[type]) -> bool:
-    return any(m.model_config.get("extra") == "allow" for m in models)
+def unknown_keys(data: dict, schema: KeyTree | list[type], prefix: str = "") -> list[tuple[str, str | None]]:
+    """(dotted path, closest known key) for every key of `data` that none of the models declares.
 
-
-def unknown_keys(data: dict, models: list[type], prefix: str = "") -> list[tuple[str, str | None]]:
-    """(dotted path, closest known key) for every key of `data` that none of `models` declares.
-
-    Nested mappings (and lists of mappings) are checked against the models their field admits;
-    a field whose annotation admits no model (a plain dict, `Any`) is not looked into.
+    `schema`: the models, or their `KeyTree`. Nested mappings (and lists of mappings) are checked
+    against the models their field admits; a field whose annotation admits no model (a plain
+    dict, `Any`) is not looked into.
     """
-    if _allows_extra(models):
+    tree = schema if isinstance(schema, KeyTree) else KeyTree.of(schema)
+    return _unknown(data, tree, tree.root, prefix)
+
+
+def _unknown(data: dict, tree: KeyTree, ids: list[str], prefix: str) -> list[tuple[str, str | None]]:
+    if any(tree.models[i]["extra"] for i in ids):
         return []
-    known: dict[str, list] = {}
-    for m in models:
-        for k, ann in _names(m).items():
-            known.setdefault(k, []).append(ann)
+    known: dict[str, list[str]] = {}
+    for i in ids:
+        for k, subs in tree.models[i]["keys"].items():
+            known.setdefault(k, []).extend(subs)
     out: list[tuple[str, str | None]] = []
     for key, value in data.items():
         path = f"{prefix}{key}"
@@ -98,16 +137,91 @@ def unknown_keys(data: dict, models: list[type], prefix: str = "") -> list[tuple
             close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
             out.append((path, close[0] if close else None))
             continue
-        sub = [m for ann in known[key] for m in _models_in(ann)]
+        sub = list(dict.fromkeys(known[key]))
         if not sub:
             continue
         if isinstance(value, dict):
-            out += unknown_keys(value, sub, f"{path}.")
+            out += _unknown(value, tree, sub, f"{path}.")
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if isinstance(item, dict):
-                    out += unknown_keys(item, sub, f"{path}[{i}].")
+                    out += _unknown(item, tree, sub, f"{path}[{i}].")
     return out
+
+
+# The sources of the pipeline plugin's input model (`PLUGIN.get_input_args`): part of the cache key.
+PLUGIN_SOURCES = ("axolotl_plugin.py", "recompute.py")
+KEY_TREE_FORMAT = 1
+
+
+def _plugins(data: dict) -> list[str]:
+    return list(dict.fromkeys([*(data.get("plugins") or []), PLUGIN]))  # `pipeline train` adds its own
+
+
+def _cache_key(plugins: list[str]) -> str | None:
+    """What decides the keys axolotl accepts with `plugins`, hashed; None when a plugin's code cannot be
+    named without importing it (a plugin outside a distribution named as its top-level package): then
+    nothing is cached."""
+    from importlib import metadata
+
+    try:  # (not `packages_distributions()`: it reads every installed distribution's RECORD, ~2 s)
+        parts: dict = {
+            "format": KEY_TREE_FORMAT,
+            "axolotl": metadata.version("axolotl"),
+            "pydantic": metadata.version("pydantic"),
+            "plugins": plugins,
+        }
+        for p in plugins:
+            top = p.split(".")[0]
+            if p == PLUGIN:
+                here = Path(__file__).parent
+                parts[p] = [hashlib.sha256((here / f).read_bytes()).hexdigest() for f in PLUGIN_SOURCES]
+            elif top != "axolotl":  # axolotl's own plugins: its version says it
+                parts[p] = metadata.version(top)  # a distribution named as its package, else not cached
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path | None:
+    """`$PIPELINE_CACHE_DIR`, else `$XDG_CACHE_HOME/lora-pipeline`, else `~/.cache/lora-pipeline`; None for a
+    user without a home directory (a service account): nothing is cached then."""
+    if d := os.environ.get("PIPELINE_CACHE_DIR"):
+        return Path(d)
+    if d := os.environ.get("XDG_CACHE_HOME"):
+        return Path(d) / "lora-pipeline"
+    home = os.path.expanduser("~")
+    return Path(home) / ".cache" / "lora-pipeline" if os.path.isabs(home) else None
+
+
+def key_tree(data: dict, cached_only: bool = False) -> KeyTree | None:
+    """axolotl's config keys with the config's plugins and the pipeline's (`axolotl_models`) as a `KeyTree`,
+    read from the cache (`cache_dir()/axolotl-keys-<key>.json`) when it holds them, else computed
+    (importing axolotl: 10-20 s) and cached; a cache that cannot be read or written is passed by.
+
+    `cached_only`: None instead of computing it. Raises CheckFailed when a plugin cannot be loaded (axolotl
+    would fail the same way).
+    """
+    plugins = _plugins(data)
+    key = _cache_key(plugins)
+    where = cache_dir()
+    path = where / f"axolotl-keys-{key}.json" if key and where else None
+    if path is not None:
+        try:
+            raw = json.loads(path.read_text())
+            return KeyTree(raw["models"], raw["root"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if cached_only:
+        return None
+    tree = KeyTree.of(axolotl_models(data))
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"plugins": plugins, "models": tree.models, "root": tree.root})
+        except OSError as e:
+            log.debug("axolotl's config keys not cached (%s): %s", path, e)
+    return tree
 
 
 def axolotl_models(data: dict) -> list[type]:
@@ -116,7 +230,7 @@ def axolotl_models(data: dict) -> list[type]:
     from axolotl.utils.config import prepare_plugins
     from axolotl.utils.dict import DictDefault
 
-    plugins = list(dict.fromkeys([*(data.get("plugins") or []), PLUGIN]))  # `pipeline train` adds its own
+    plugins = _plugins(data)
     if plugins:
         try:
             prepare_plugins(DictDefault({"plugins": plugins}))
@@ -131,10 +245,16 @@ def _origin(tc: TrainingConfig, path: str) -> str:
     return tc.origins.get(path) or tc.origins.get(top) or str(tc.path)
 
 
-def check_known_keys(tc: TrainingConfig) -> None:
-    """Raise CheckFailed listing every key axolotl does not know, where it came from, and the closest one."""
+def check_known_keys(tc: TrainingConfig, cached_only: bool = False) -> None:
+    """Raise CheckFailed listing every key axolotl does not know, where it came from, and the closest one.
+
+    `cached_only`: check only when axolotl's keys are cached (`key_tree`), else return (a later check does it).
+    """
     data = {k: v for k, v in tc.data.items() if k not in PIPELINE_KEYS}
-    found = [UnknownKey(p, _origin(tc, p), s) for p, s in unknown_keys(data, axolotl_models(tc.data))]
+    tree = key_tree(tc.data, cached_only)
+    if tree is None:
+        return
+    found = [UnknownKey(p, _origin(tc, p), s) for p, s in unknown_keys(data, tree)]
     if found:
         raise CheckFailed(
             f"{tc.path}: {len(found)} setting(s) axolotl does not know (it would ignore them silently):\n  "
@@ -149,11 +269,12 @@ def check_axolotl_schema(tc: TrainingConfig) -> None:
 
     Raises CheckFailed with one line per key or field axolotl rejects.
     """
+    check_known_keys(tc)  # first: from the cached keys, without importing axolotl
+
     from axolotl.utils.config import validate_config
     from axolotl.utils.dict import DictDefault
     from pydantic import ValidationError
 
-    check_known_keys(tc)
     try:
         data = json.loads(json.dumps(tc.data))
         data["plugins"] = list(
@@ -165,3 +286,16 @@ def check_axolotl_schema(tc: TrainingConfig) -> None:
         raise CheckFailed(f"{tc.path}: axolotl refuses the config:\n  " + "\n  ".join(lines)) from None
     except ValueError as e:
         raise CheckFailed(f"{tc.path}: axolotl refuses the config: {e}") from None
+
+
+def refuse_unknown_keys(
+    config: Path, overrides: list[str] = (), overlays: list[Path] = (), cached_only: bool = False
+) -> None:
+    """`pipeline train`'s and `pipeline run`'s first check, before the trainer's heavy imports: CONFIG read with
+    its overlays and `--set` overrides, and every key axolotl does not know refused (`check_known_keys`), in
+    well under a second once axolotl's keys are cached (benchmarks/cli_latency.py). The full checks
+    (`pipeline.train.launch.check_inputs`) still run after it.
+
+    Raises UsageError (a missing or unreadable file, a malformed override) or CheckFailed (unknown keys).
+    """
+    check_known_keys(load_training_config(Path(config), list(overrides), list(overlays)), cached_only)

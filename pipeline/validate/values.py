@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from pipeline.validate.context import EFFECT_EPS
+from pipeline.validate.base_facts import EFFECT_EPS
 from pipeline.validate.facts import AdapterFacts, Unavailable
 from pipeline.validate.keys import ranges
 from pipeline.validate.rules import Issue, check

@@ -123,3 +123,91 @@ def test_cli_train_refuses_before_writing(tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert "learning_rate" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "state" / "mlflow.db").exists()
+
+
+# -- issue 41 item 4: a typo is refused before the heavy imports, from axolotl's keys kept as data -------------------
+def test_the_key_tree_gives_the_models_answers(models, tmp_path, monkeypatch):
+    """`KeyTree` (cached as JSON) answers like the pydantic models it was built from, nested models included;
+    a cache file that cannot be read is computed again."""
+    from pipeline.train.schema import KeyTree, key_tree
+
+    tree = KeyTree.of(models)
+    data = {
+        "learning_rat": 1,
+        "model_revision": "abc",
+        "datasets": [{"path": "x", "feld_messages": "m"}],
+        "fsdp_config": {"fsdp_versoin": 2},
+    }
+    assert unknown_keys(data, tree) == unknown_keys(data, models)
+    assert len(unknown_keys(data, tree)) == 3
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path))
+    first = key_tree({})  # computed (axolotl is imported here already) and cached
+    (cached,) = tmp_path.glob("axolotl-keys-*.json")
+    assert key_tree({}, cached_only=True) == first
+    cached.write_text("{not json")
+    assert key_tree({}, cached_only=True) is None and key_tree({}) == first  # passed by, then rewritten
+
+
+def test_the_cache_key_follows_axolotl_the_plugins_and_the_pipeline_plugin():
+    from pipeline.train.schema import PLUGIN, _cache_key
+
+    liger = "axolotl.integrations.liger.LigerPlugin"
+    assert _cache_key([PLUGIN]) != _cache_key([liger, PLUGIN])
+    assert (
+        _cache_key(["no_such_package_xyz.Plugin", PLUGIN]) is None
+    )  # not named without importing: not cached
+
+
+# Each refusal in a fresh interpreter: exit code, message, and none of the heavy libraries imported. The issue's
+# instances (a `train` option typo: 11-14 s; an overlay key typo: 19.5 s) and their siblings.
+FAST_REFUSALS = [
+    (["train", "{tiny}", "--lerning-rate", "0.001"], 2, "No such option: --lerning-rate"),
+    (["run", "{tiny}", "--lerning-rate", "0.001"], 2, "No such option: --lerning-rate"),
+    (
+        ["train", "{tiny}", "--overlay", "{overlay}"],
+        1,
+        "`gradient_acumulation_steps` is not an axolotl setting",
+    ),
+    (["run", "{tiny}", "--set", "learning_rat=0.1"], 1, "did you mean `learning_rate`"),
+    (["train", "{tiny}", "--overlay", "{nested}"], 1, "`datasets[0].feld_messages`"),
+    (["train", "{tiny}", "--overlay", "{tmp}/none.yml"], 2, "none.yml"),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", FAST_REFUSALS)
+def test_typos_are_refused_before_the_heavy_imports(tmp_path, argv, code, words):
+    import os
+
+    from pipeline.train.schema import key_tree
+
+    key_tree({})  # warm: what any earlier check on this machine left in the cache
+    key_tree({"plugins": ["axolotl.integrations.liger.LigerPlugin"]})
+    (tmp_path / "ov.yml").write_text("gradient_acumulation_steps: 4\n")
+    (tmp_path / "nested.yml").write_text(
+        "datasets:\n  - {path: datasets/agent_chat_train.jsonl, type: chat_template, feld_messages: m}\n"
+    )
+    args = [
+        a.format(tiny=TINY, overlay=tmp_path / "ov.yml", nested=tmp_path / "nested.yml", tmp=tmp_path)
+        for a in argv
+    ]
+    (tmp_path / "pipeline.yaml").write_text(
+        f"state_dir: {tmp_path / 'state'}\ntrain: {{runs_dir: {tmp_path / 'runs'}}}\n"
+    )
+    probe = (
+        "import sys\nfrom pipeline.cli import app\n"
+        "try:\n    app(prog_name='pipeline')\nfinally:\n"
+        "    print('HEAVY', sorted(m for m in ('axolotl', 'torch', 'transformers', 'mlflow', 'pipeline.validate')"
+        " if m in sys.modules), file=sys.stderr)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe, "--config", str(tmp_path / "pipeline.yaml"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert r.returncode == code, r.stderr[-2000:]
+    assert words in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "HEAVY []" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "state" / "mlflow.db").exists()
