@@ -2,7 +2,8 @@
 
     python benchmarks/vllm_h200.py run main  --work DIR --out DIR [--deadline-s 500]   # call 1 (scripts/gpu/vllm_call.sh)
     python benchmarks/vllm_h200.py run main2 --work DIR --out DIR [--deadline-s 500]   # the next call: bf16 staging
-    python benchmarks/vllm_h200.py run sweep --work DIR --out DIR [--deadline-s 500]   # call 2: settings that change speed
+    python benchmarks/vllm_h200.py run sweep --work DIR --out DIR [--deadline-s 500]   # settings, one engine at a time
+    python benchmarks/vllm_h200.py run fleet64 --work DIR --out DIR   # the 64-layer NVFP4: decode b1/8/32, base vs adapter
     python benchmarks/vllm_h200.py run smoke --work DIR --out DIR [--attach NAME=URL ...] [--adapters D1 D2]
     python benchmarks/vllm_h200.py run trained --base DIR --work DIR --out DIR  # a trained base: bf16 vs NVFP4
     python benchmarks/vllm_h200.py argv [--plan main] [--check PYTHON]   # every engine's command line; --check
@@ -33,6 +34,15 @@ Every stage writes `OUT/stages/<stage>.json` when it ends (ok, seconds, result o
 stage that would not finish before `--deadline-s` is skipped, so a call killed at its limit still
 returns what is done; `record` runs last in any case. Engines log to `WORK/logs/<name>.log`; CLI
 calls are listed with their wall time in `OUT/cli.jsonl`.
+
+Every timed row (decode, the sweep, publish latency) is measured with the GPU the engine's alone (the
+other engines stopped, background jobs ended: `Ctx.exclusive`; so those stages come last in a plan), after
+one warm-up pass, as the median and min-max of 3 repeats (`decode`); a row that could not be measured so
+says why (`not_measured`) and carries no number. Plan `sweep` times one setting's engine at a time
+(`--max-lora-rank` sized to the adapter vs 64, CUDA graphs off, `--max-loras` 1 / 4). Plan `fleet64`:
+the 64-layer real-geometry base in /dev/shm, its NVFP4 build in WORK, the bf16 copy deleted, decode
+rows at batch 1, 8, 32, base vs a random r16 adapter of the shipped config, no MTP
+(benchmarks/RESULTS.md "Recipe").
 
 `--base DIR` (any plan) names a prebuilt bf16 base, e.g. one written by `pipeline dev trained-base`: the
 plans use it instead of building WORK/real8 (its NVFP4 build goes to WORK/<name>-nvfp4), skip the MTP
@@ -76,7 +86,7 @@ NAME = "agent"
 SPEC_MTP = {"method": "qwen3_5_mtp", "num_speculative_tokens": 3}
 MOUNT = "/loras"
 PORTS = {"fleet-a": 8101, "fleet-b": 8102, "staging": 8103, "staging-bf16": 8104, "merged": 8105}
-SWEEP_PORTS = {"rank16": 8111, "rank64": 8112, "graphs-off": 8113, "loras1": 8114, "loras4": 8115}
+SWEEP_PORTS = {"rank-adapter": 8111, "rank64": 8112, "graphs-off": 8113, "loras1": 8114, "loras4": 8115}
 FIELD_REPORT = {"base_tok_s": 161.4, "adapter_tok_s": 90.0, "ratio": round(90.0 / 161.4, 3)}
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GIB = 1 << 30
@@ -86,11 +96,13 @@ TRAINED_REPORT = "trained_base.json"  # pipeline/dev/trainedbase.py REPORT: a ba
 # -- engines -------------------------------------------------------------------------------------------------------
 # The fleet's flags (docs/field-report.md; issue 23): NVFP4 through ModelOpt, text only, runtime LoRA of
 # rank <= 16, MTP with 3 speculative tokens, FP8 KV cache, prefix caching and chunked prefill.
-def fleet_flags(rank: int = 16, max_loras: int = 2) -> list[str]:
+def fleet_flags(rank: int = 16, max_loras: int = 2, mtp: bool = True) -> list[str]:
+    """The fleet's `vllm serve` flags; `mtp=False` leaves out the speculative config (plan fleet64: random
+    weights give MTP nothing to predict)."""
     return [
         "--quantization", "modelopt", "--language-model-only", "--enable-lora", "--max-lora-rank", str(rank),
         "--max-loras", str(max_loras), "--max-cpu-loras", "8",
-        "--speculative-config", json.dumps(SPEC_MTP), "--kv-cache-dtype", "fp8",
+        *(["--speculative-config", json.dumps(SPEC_MTP)] if mtp else []), "--kv-cache-dtype", "fp8",
         "--enable-prefix-caching", "--enable-chunked-prefill",
     ]  # fmt: skip
 
@@ -175,21 +187,24 @@ def gpu_engines(ctx: Ctx) -> dict[str, Engine]:
     }
 
 
-def sweep_engines(ctx: Ctx) -> dict[str, Engine]:
-    """Plan `sweep`: the fleet engine with one setting changed each (the same NVFP4 checkpoint)."""
+def sweep_engines(ctx: Ctx, adapter_rank: int = 16) -> dict[str, Engine]:
+    """Plan `sweep`: the fleet engine with one setting changed each (the same NVFP4 checkpoint), each
+    started alone on the GPU (`exclusive_flags`): `--max-lora-rank` sized to the adapter (the baseline:
+    CUDA graphs on, `--max-loras 2`) vs 64, CUDA graphs off, `--max-loras` 1 and 4."""
     nvfp4 = ctx.nvfp4
 
     def e(name, flags):
-        return Engine(name, nvfp4, flags + share_flags(), nvfp4.name)
+        return Engine(name, nvfp4, flags + exclusive_flags(), nvfp4.name)
 
+    r = adapter_rank
     return {
-        "rank16": e("rank16", fleet_flags(16)),
+        "rank-adapter": e("rank-adapter", fleet_flags(r)),
         "rank64": e("rank64", fleet_flags(64)),
         "graphs-off": e(
-            "graphs-off", fleet_flags() + ["--compilation-config", json.dumps({"cudagraph_mode": "NONE"})]
+            "graphs-off", fleet_flags(r) + ["--compilation-config", json.dumps({"cudagraph_mode": "NONE"})]
         ),
-        "loras1": e("loras1", fleet_flags(max_loras=1)),
-        "loras4": e("loras4", fleet_flags(max_loras=4)),
+        "loras1": e("loras1", fleet_flags(r, max_loras=1)),
+        "loras4": e("loras4", fleet_flags(r, max_loras=4)),
     }
 
 
@@ -223,7 +238,9 @@ class Ctx:
     def bf16(self) -> Path:
         """The bf16 base every stage trains, registers and canaries against: `--base DIR`, else WORK/real8
         (built by stage `base`)."""
-        return self.base_given if self.base_given is not None else self.work / "real8"
+        if self.base_given is not None:
+            return self.base_given
+        return SHM / "real64" if self.plan == "fleet64" else self.work / "real8"
 
     @property
     def nvfp4(self) -> Path:
@@ -456,6 +473,32 @@ class Ctx:
             apps = gpu_apps()
         self.log(f"engine {name} stopped; GPU processes now: {apps}")
         return {"stopped": stopped, "gpu_apps_after": apps, "waited_s": round(time.time() - t, 1)}
+
+    def exclusive(self, keep: str | None, wait_s: float = 600.0) -> dict:
+        """Make engine `keep` (None: no engine) the GPU's only user before a timed row: stop every other
+        engine this run started and wait for the background jobs (builds, trainings) to end. Returns
+        {stopped, waited_for, gpu_apps}. Raises RuntimeError when a job is still running after `wait_s`
+        (the row is then not measured, and the stage's error says why)."""
+        stopped = [
+            n for n, e in self.engines.items() if n != keep and e.proc is not None and e.proc.poll() is None
+        ]
+        for n in stopped:
+            self.stop_engine(n, settle_s=0)
+        waited = []
+        for n, (proc, _, _) in self.bg.items():
+            if proc.poll() is None:
+                waited.append(n)
+                try:
+                    proc.wait(timeout=max(1.0, min(wait_s, self.left())))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(
+                        f"background job {n} still runs on the GPU: no timed row beside it"
+                    ) from None
+        if stopped:
+            time.sleep(3.0)  # the killed engines' memory returns to the driver
+        res = {"stopped": stopped, "waited_for": waited, "gpu_apps": gpu_apps()}
+        self.log(f"GPU exclusive to {keep}: {res}")
+        return res
 
     def stop_all(self) -> None:
         for e in self.engines.values():
@@ -1148,12 +1191,16 @@ def st_publish(ctx: Ctx) -> dict:
 
 
 def st_decode(ctx: Ctx) -> dict:
+    """Decode rows on instance a, base vs adapter v1, with the GPU its alone (GPU: every other engine is
+    stopped and the background jobs waited for first, so this stage comes after the ones needing them)."""
     a = ctx.engines["fleet-a"]
     v1 = ctx.facts["versions"][1]
     tokens = 256 if ctx.gpu else 8
-    return decode_table(
+    excl = ctx.exclusive("fleet-a") if ctx.gpu else {"cpu": "smoke: not a timing"}
+    table = decode_table(
         a.url, a.model_id, f"{NAME}-v{v1}", (1, 8) if ctx.gpu else (1, 2), tokens, ids=ctx.ids
     )
+    return table | {"exclusive": excl}
 
 
 def st_mtp_check(ctx: Ctx) -> dict:
@@ -1325,6 +1372,7 @@ def st_merged(ctx: Ctx) -> dict:
     r = ctx.cli("merge-parity", ctx.work / "merged-v1", "--merged", e.url, "--hot", a.url, "--name", NAME,
                 "--version", v1, "--json", timeout=300, check=False)  # fmt: skip
     res["merge_parity"] = {"rc": r["rc"], "wall_s": r["wall_s"], "result": r.get("json") or r.get("stdout")}
+    res["exclusive"] = ctx.exclusive("merged")  # the fleet engines were needed for parity only
     res["decode_merged"] = {str(b): decode(e.url, e.model_id, b, 256, ids=ctx.ids) for b in (1, 8)}
     return res
 
@@ -1334,48 +1382,86 @@ def st_staging_bf16(ctx: Ctx) -> dict:
     res = {"canary": _canary(ctx, e.url, record=False)}
     v1 = ctx.facts["versions"][1]
     lora(e.url, "load", lora_name=f"{NAME}-v{v1}", lora_path=str(ctx.facts["adapters"][1]))
+    res["exclusive"] = ctx.exclusive("staging-bf16")  # main2's last stage: the others are done
     res["decode"] = decode_table(e.url, e.model_id, f"{NAME}-v{v1}", (1, 8), 256, ids=ctx.ids)
     return res
 
 
 # plan sweep -------------------------------------------------------------------------------------------------------
-def st_sweep_start(ctx: Ctx) -> dict:
-    for n, e in sweep_engines(ctx).items():
-        ctx.start_engine(e, SWEEP_PORTS[n])
-    return {"engines": {n: ctx.engines[n].args for n in SWEEP_PORTS}}
+def adapter_rank(adapter: Path) -> int:
+    """The LoRA rank `r` of a PEFT adapter directory (adapter_config.json)."""
+    return int(json.loads((Path(adapter) / "adapter_config.json").read_text())["r"])
 
 
 def st_sweep(ctx: Ctx) -> dict:
+    """The settings that change speed, one engine at a time, alone on the GPU (the fleet engines stopped
+    first): each setting's engine starts, loads adapter v1, gives its decode rows (warm-up + REPEATS),
+    and stops before the next starts. A setting measured by an earlier call on this machine is reused
+    (WORK/sweep-<name>.json), so the sweep can span calls; one that had no time says so, with no number."""
     ads = ctx.facts["adapters"]
-    res = {}
-    for n in SWEEP_PORTS:
-        if ctx.left() < 40:
-            res[n] = "skipped (deadline)"
+    rank = adapter_rank(ads[1])
+    excl = ctx.exclusive(None)
+    res: dict = {"adapter_rank": rank, "exclusive": excl, "settings": {}}
+    for n, eng in sweep_engines(ctx, rank).items():
+        saved = ctx.work / f"sweep-{n}.json"
+        if saved.exists():
+            res["settings"][n] = json.loads(saved.read_text()) | {"reused": True}
+            continue
+        if ctx.left() < 150:
+            res["settings"][n] = {"not_measured": f"deadline: {ctx.left():.0f} s left; run plan sweep again"}
             continue
         try:
-            e = ctx.wait_engine(n, 400)
+            e = ctx.start_engine(eng, SWEEP_PORTS[n])
+            ctx.wait_engine(n, min(400, ctx.left() - 60))
             lora(e.url, "load", lora_name="sweep", lora_path=str(ads[1]))
-            res[n] = {
+            row = {
+                "flags": eng.args,
                 "ready_s": e.ready_s,
                 **decode_table(e.url, e.model_id, "sweep", (1, 8), 256, ids=ctx.ids),
             }
-            _kill(e.proc)  # free the GPU for the next measurement's neighbours
+            saved.write_text(json.dumps(row))
+            res["settings"][n] = row
         except Exception as ex:  # noqa: BLE001 - one setting failing is a result
-            res[n] = {"error": f"{type(ex).__name__}: {ex}"[:2000]}
+            res["settings"][n] = {"not_measured": f"{type(ex).__name__}: {ex}"[:2000]}
+        finally:
+            ctx.stop_engine(n)
+    res["ratio_adapter_over_base"] = sweep_ratios(res["settings"])
     return res
 
 
+def sweep_ratios(settings: dict) -> dict:
+    """adapter/base (median tok/s) per setting and batch, side by side per question (None: not measured)."""
+
+    def r(n):
+        x = settings.get(n) or {}
+        return x.get("ratio_adapter_over_base")
+
+    return {
+        "max_lora_rank": {"adapter": r("rank-adapter"), "64": r("rank64")},
+        "cuda_graphs": {"on": r("rank-adapter"), "off": r("graphs-off")},
+        "max_loras": {"1": r("loras1"), "2": r("rank-adapter"), "4": r("loras4")},
+    }
+
+
 def st_publish_latency(ctx: Ctx) -> dict:
-    """publish -> serving on the GPU fleet: `pipeline publish` alternating v2/v1 (5 times), against a direct load."""
+    """publish -> serving on the GPU fleet (its two instances the GPU's only users: no sweep engine runs
+    yet): `pipeline publish` v2, v1, then `pipeline rollback` alternating, each until both instances list
+    the version; the first is a warm-up, the other REPEATS+2 are timed (median and min-max), beside a
+    direct `load_lora_adapter` on instance a."""
     a = ctx.engines["fleet-a"]
     mount = ctx.facts["mount"].rstrip("/")
     v1, v2 = ctx.facts["versions"][1], ctx.facts["versions"][2]
+    running = sorted(n for n, e in ctx.engines.items() if e.proc is None or e.proc.poll() is None)
+    if set(running) - {"fleet-a", "fleet-b"}:
+        raise RuntimeError(f"engines {running} run: publish latency is timed with the two instances alone")
+    excl = {"engines": running, "jobs": sorted(n for n, (p, _, _) in ctx.bg.items() if p.poll() is None),
+            "gpu_apps": gpu_apps()}  # fmt: skip
     t = time.perf_counter()
     lora(a.url, "load", lora_name="latency-probe", lora_path=f"{mount}/{NAME}-v{v1}")
     direct = time.perf_counter() - t
     lora(a.url, "unload", lora_name="latency-probe")
     runs = []
-    for i in range(5):
+    for i in range(REPEATS + 3):
         v = (v2, v1)[i % 2]
         t = time.perf_counter()
         r = (
@@ -1385,9 +1471,17 @@ def st_publish_latency(ctx: Ctx) -> dict:
         )
         ok = all(_instances_serving(ctx, v).values())
         runs.append({"version": v, "command": "publish" if i < 2 else "rollback", "wall_s": round(time.perf_counter() - t, 3),
-                     "cli_wall_s": r["wall_s"], "both_serving": ok})  # fmt: skip
-    walls = sorted(x["wall_s"] for x in runs)
-    return {"direct_load_s": round(direct, 3), "runs": runs, "median_s": walls[len(walls) // 2]}
+                     "cli_wall_s": r["wall_s"], "both_serving": ok, "warm_up": i == 0})  # fmt: skip
+    timed = [x["wall_s"] for x in runs if not x["warm_up"] and x["both_serving"]]
+    return {
+        "direct_load_s": round(direct, 3),
+        "runs": runs,
+        "repeats": len(timed),
+        "median_s": round(_median(timed), 3) if timed else None,
+        "min_max_s": [min(timed), max(timed)] if timed else None,
+        "not_measured": None if len(timed) >= REPEATS else f"{len(timed)} timed runs reached both instances",
+        "gpu": excl,
+    }
 
 
 # plan trained --------------------------------------------------------------------------------------------------------
@@ -1437,8 +1531,11 @@ def nvfp4_current(ctx: Ctx) -> bool:
         return False
     marker = ctx.work / f"{ctx.nvfp4.name}.from.json"
     if not marker.exists():
-        return ctx.base_given is None
-    return json.loads(marker.read_text()) == _built_from(ctx)
+        return ctx.base_given is None and ctx.plan != "fleet64"
+    got = json.loads(marker.read_text())
+    if not ctx.bf16.exists():  # plan fleet64 deletes the bf16 base after its build
+        return got.get("base") == str(ctx.bf16.resolve())
+    return got == _built_from(ctx)
 
 
 def mark_built(ctx: Ctx) -> None:
@@ -1629,15 +1726,124 @@ def trained_summary(
     }
 
 
+# plan fleet64 --------------------------------------------------------------------------------------------------------
+# The fleet's own size: `pipeline dev real-base --layers 64` (52 GB bf16) in /dev/shm (the host's 128 GiB
+# of RAM; its 64 GiB disk cannot hold it beside the ~17 GB NVFP4 build), `pipeline dev served-base` to
+# WORK (disk), the bf16 copy deleted, then one engine alone on the GPU: decode rows at batch 1, 8 and 32,
+# base vs an r16 adapter on the shipped config's targets. Random weights: no MTP (nothing to predict).
+SHM = Path(os.environ.get("SHM_DIR", "/dev/shm"))
+SHIPPED_CONFIG = REPO / "axolotl_configs" / "qwen3.6-27b-lora.yml"
+FLEET64_PORT = 8131
+BATCHES64 = (1, 8, 32)
+
+
+def _free_gb(p: Path) -> float:
+    p.mkdir(parents=True, exist_ok=True)
+    return shutil.disk_usage(p).free / 1e9
+
+
+def st_base64(ctx: Ctx) -> dict:
+    """The 64-layer bf16 base in /dev/shm (`pipeline dev real-base --layers 64 --device cuda`), unless WORK
+    already holds its NVFP4 build or /dev/shm the finished base. Raises RuntimeError when /dev/shm or WORK
+    has too little room (52 GB and ~17 GB), saying how much is free."""
+    if nvfp4_current(ctx):
+        return {"skipped": f"{ctx.nvfp4} is built", "nvfp4": str(ctx.nvfp4)}
+    base = ctx.bf16
+    if (base / ".done").exists():
+        return {"base": str(base), "reused": True}
+    shm, disk = _free_gb(base.parent), _free_gb(ctx.work)
+    if shm < 55 or disk < 20:
+        raise RuntimeError(f"{base.parent}: {shm:.0f} GB free (the bf16 base needs 52), {ctx.work}: {disk:.0f} GB free "
+                           "(its NVFP4 build needs ~17): free them (an earlier base? SHM_DIR, WORK)")  # fmt: skip
+    r = ctx.cli("dev", "real-base", base, "--layers", "64", "--device", "cuda", timeout=900)
+    (base / ".done").touch()
+    return {
+        "base": str(base),
+        "wall_s": r["wall_s"],
+        "size_gb": round(_du(base) / 1e9, 2),
+        "shm_free_gb": round(shm),
+    }
+
+
+def st_build64(ctx: Ctx) -> dict:
+    """`pipeline dev served-base` of the 64-layer base to WORK (disk), then the bf16 copy deleted from
+    /dev/shm (RAM back for the engine); reused when WORK holds this build."""
+    if nvfp4_current(ctx):
+        return {"nvfp4": str(ctx.nvfp4), "reused": True, "size_gb": round(_du(ctx.nvfp4) / 1e9, 2)}
+    ctx.start_bg("served-base", served_base_cmd(ctx), env=ctx.pipeline_env(modelopt=True))
+    res = ctx.wait_bg("served-base", 1200)
+    mark_built(ctx)
+    shutil.rmtree(ctx.bf16)
+    q = json.loads((ctx.nvfp4 / "hf_quant_config.json").read_text())
+    return {"nvfp4": str(ctx.nvfp4), "wall_s": res["wall_s"], "quantization": q.get("quantization", q),
+            "size_gb": round(_du(ctx.nvfp4) / 1e9, 2), "bf16_deleted": not ctx.bf16.exists()}  # fmt: skip
+
+
+def random_adapter(out: Path, layers: int, config: Path = SHIPPED_CONFIG, seed: int = 0) -> dict:
+    """A PEFT LoRA of the shipped config (`lora_r`, `lora_alpha`, `lora_target_modules`, language model
+    only) for the `layers`-layer real-geometry base, with random A and B (std 0.02: not zero, so the
+    kernels do the full work). Built on the meta device from `real_config` (no weights read). Returns
+    {path, r, alpha, targets, tensors, parameters}."""
+    import torch
+    import yaml
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from pipeline.dev.realbase import real_config
+
+    y = yaml.safe_load(Path(config).read_text())
+    targets = list(y["lora_target_modules"])
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration._from_config(real_config(layers), dtype=torch.bfloat16)
+    lc = LoraConfig(r=int(y["lora_r"]), lora_alpha=int(y["lora_alpha"]), lora_dropout=0.0, bias="none",
+                    target_modules=rf".*language_model\.layers\.\d+\..*\.({'|'.join(targets)})")  # fmt: skip
+    sd = get_peft_model_state_dict(get_peft_model(model, lc))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: (torch.randn(tuple(v.shape), generator=g) * 0.02).to(torch.bfloat16) for k, v in sd.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    lc.save_pretrained(str(out))
+    return {"path": str(out), "r": lc.r, "alpha": lc.lora_alpha, "targets": targets, "tensors": len(tensors),
+            "parameters": sum(t.numel() for t in tensors.values())}  # fmt: skip
+
+
+def st_adapter64(ctx: Ctx) -> dict:
+    out = ctx.work / "adapter64"
+    if (out / "adapter_model.safetensors").exists():
+        return {"path": str(out), "reused": True}
+    return random_adapter(out, 64)
+
+
+def fleet64_engine(ctx: Ctx) -> Engine:
+    """The fleet's flags without MTP, alone on the GPU, room for 32 sequences."""
+    flags = fleet_flags(mtp=False) + exclusive_flags() + ["--max-num-seqs", str(max(BATCHES64))]
+    return Engine("fleet64", ctx.nvfp4, flags, ctx.nvfp4.name)
+
+
+def st_decode64(ctx: Ctx) -> dict:
+    """Decode rows of the 64-layer NVFP4 engine, alone on the GPU: base vs adapter at batch 1, 8, 32."""
+    excl = ctx.exclusive(None)
+    e = ctx.start_engine(fleet64_engine(ctx), FLEET64_PORT)
+    try:
+        ctx.wait_engine(e.name, min(900, ctx.left() - 60))
+        lora(e.url, "load", lora_name="adapter64", lora_path=str(ctx.work / "adapter64"))
+        table = decode_table(e.url, e.model_id, "adapter64", BATCHES64, 256, ids=ctx.ids)
+    finally:
+        ctx.stop_engine(e.name)
+    return {"ready_s": e.ready_s, "flags": e.args, "exclusive": excl, **table}
+
+
 # -- plans ---------------------------------------------------------------------------------------------------------
 # (stage, function, estimated seconds: skipped when fewer are left before the deadline)
 PLANS = {
     "main": [
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
         ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
-        ("engines", st_engines, 30), ("publish", st_publish, 60), ("decode", st_decode, 60),
-        ("mtp_check", st_mtp_check, 20), ("publish2", st_publish2, 90), ("stale_kv", st_stale_kv, 45),
-        ("canary_served", st_canary_served, 90), ("merged", st_merged, 150),
+        ("engines", st_engines, 30), ("publish", st_publish, 60), ("mtp_check", st_mtp_check, 20),
+        ("publish2", st_publish2, 90), ("stale_kv", st_stale_kv, 45), ("canary_served", st_canary_served, 90),
+        # timed rows last: decode stops fleet-b and waits for the merge build; merged stops fleet-a
+        ("decode", st_decode, 90), ("merged", st_merged, 150),
     ],
     # a second call on the same warm machine after main (one call holds about 540 s of driver time): the
     # bf16 staging engines (started only by this plan, so that main's fleet engines compile alone), and what
@@ -1646,7 +1852,7 @@ PLANS = {
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
         ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
         ("engines", st_engines, 30), ("publish", st_publish, 60), ("canary_parity", st_canary_parity, 90),
-        ("staging_bf16", st_staging_bf16, 90), ("merged", st_merged, 150),
+        ("staging_bf16", st_staging_bf16, 120),  # last: its decode rows stop every other engine
     ],
     # call 1 of a fresh machine, while the engine's bundle is still arriving: everything plan main reuses
     "prep": [
@@ -1656,8 +1862,13 @@ PLANS = {
     "sweep": [
         ("host", st_host, 10), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
         ("served", st_served, 30), ("train", st_train, 30), ("register", st_register, 40),
-        ("sweep_start", st_sweep_start, 10), ("engines", st_engines, 30), ("publish", st_publish, 60),
-        ("publish_latency", st_publish_latency, 120), ("sweep", st_sweep, 200),
+        ("engines", st_engines, 30), ("publish", st_publish, 60), ("publish_latency", st_publish_latency, 120),
+        ("sweep", st_sweep, 200),  # stops the fleet engines, then one setting's engine at a time
+    ],
+    # the fleet's size: the 64-layer real-geometry NVFP4 checkpoint, decode at batch 1/8/32, base vs adapter
+    "fleet64": [
+        ("host", st_host, 10), ("base64", st_base64, 400), ("build64", st_build64, 500),
+        ("adapter64", st_adapter64, 60), ("decode64", st_decode64, 300),
     ],
     # on a prebuilt base (--base DIR, e.g. `pipeline dev trained-base`): one engine on the GPU at a time
     "trained": [
@@ -1676,8 +1887,8 @@ NEEDS = {
     "mtp": ["base"], "launch": ["base"], "served": ["launch"], "train": ["launch"], "register": ["train", "served"],
     "engines": ["served"], "canary_parity": ["register", "engines"], "publish": ["register", "engines"],
     "decode": ["publish"], "mtp_check": ["mtp", "engines"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
-    "merged": ["train", "publish"], "staging_bf16": ["train", "register"], "sweep_start": ["served"],
-    "sweep": ["sweep_start", "register"], "publish_latency": ["publish"], "prep_wait": ["launch"],
+    "merged": ["train", "publish"], "staging_bf16": ["train", "register"],
+    "sweep": ["register"], "build64": ["base64"], "decode64": ["build64", "adapter64"], "publish_latency": ["publish"], "prep_wait": ["launch"],
     "tb_bf16": ["base", "mtp"], "tb_build": ["base", "mtp"], "tb_nvfp4": ["tb_build"],
 }  # fmt: skip
 
@@ -1797,6 +2008,14 @@ def assemble(ctx: Ctx, done: dict[str, dict]) -> dict:
         "bf16_engine": r("staging_bf16"),
         "sweep": r("sweep"),
         "publish_latency": r("publish_latency"),
+        "fleet64": {
+            "base": r("base64"),
+            "build": r("build64"),
+            "adapter": r("adapter64"),
+            "decode": r("decode64"),
+        }
+        if ctx.plan == "fleet64"
+        else None,
         "trained": trained_summary(
             r("base") if ctx.base_given else None, r("tb_bf16"), r("tb_build"), r("tb_nvfp4")
         ),
@@ -1879,9 +2098,8 @@ print(json.dumps(out))
 def engine_argvs(plan: str, work: Path, base: Path | None = None) -> dict[str, list[str]]:
     """{engine: the `vllm serve` arguments it gets} for a plan (model path first; `base`: as `run --base`)."""
     ctx = Ctx(plan, work, work, 1e9, gpu=plan != "smoke", base_given=base)
-    engines = {"sweep": sweep_engines, "smoke": smoke_engines, "trained": trained_engines}.get(
-        plan, gpu_engines
-    )(ctx)
+    engines = {"sweep": sweep_engines, "smoke": smoke_engines, "trained": trained_engines,
+               "fleet64": lambda c: {"fleet64": fleet64_engine(c)}}.get(plan, gpu_engines)(ctx)  # fmt: skip
     out = {}
     for n, e in engines.items():
         argv = [str(e.model), "--host", "127.0.0.1", "--port", "8000", *ctx.common(), *e.args]

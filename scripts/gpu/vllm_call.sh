@@ -3,7 +3,7 @@
 # vLLM 0.25.1 + ModelOpt NVFP4 + MTP + hot-loaded LoRA, driven by the `pipeline` CLI.
 #
 #   OUT=... [BASE=DIR] bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]
-#   PLAN: main (default) | main2 | sweep | prep | trained (needs BASE)
+#   PLAN: main (default) | main2 | sweep | prep | trained (needs BASE) | fleet64 (64-layer base in /dev/shm)
 #
 # BASE: a prebuilt bf16 base (e.g. `pipeline dev trained-base /dev/shm/tb`) the plans use instead of
 # building the random 8-layer real-geometry one (`run --base`); plan trained measures it bf16 vs NVFP4.

@@ -331,3 +331,90 @@ def test_heldout_prompts_without_a_corpus_use_the_validation_set(tiny_vl_base, m
     assert got["source"].startswith("datasets/") and all(len(p) == 16 for p in got["prompts"])
     with pytest.raises(RuntimeError, match="not 100000"):
         vb.heldout_prompts(tiny_vl_base, n=100000, length=16)
+
+
+def test_timed_rows_come_after_the_stages_that_need_other_engines():
+    """Issue 37: `sweep` started five engines beside the fleet's two and timed each while the others
+    compiled; `main` timed decode while fleet-b served and the merge build ran. Now the stages that stop
+    the other engines (decode, merged, staging_bf16, sweep, decode64) come after every stage needing them."""
+    names = {p: [s[0] for s in st] for p, st in vb.PLANS.items()}
+    assert names["main"][-2:] == ["decode", "merged"]
+    assert names["main2"][-1] == "staging_bf16" and "merged" not in names["main2"]
+    assert names["sweep"][-2:] == ["publish_latency", "sweep"] and "sweep_start" not in names["sweep"]
+    assert names["fleet64"] == ["host", "base64", "build64", "adapter64", "decode64"]
+    assert names["trained"][-3:] == ["tb_bf16", "tb_build", "tb_nvfp4"]
+
+
+def test_sweep_engines_one_setting_each_sized_to_the_adapter(tmp_path):
+    ctx = vb.Ctx("sweep", tmp_path, tmp_path, 1e9, gpu=True)
+    eng = vb.sweep_engines(ctx, adapter_rank=8)
+    flag = {n: {e.args[i]: e.args[i + 1] for i in range(len(e.args) - 1)} for n, e in eng.items()}
+    assert flag["rank-adapter"]["--max-lora-rank"] == "8" and flag["rank64"]["--max-lora-rank"] == "64"
+    assert flag["loras1"]["--max-loras"] == "1" and flag["loras4"]["--max-loras"] == "4"
+    assert flag["rank-adapter"]["--max-loras"] == "2" and "--compilation-config" in flag["graphs-off"]
+    assert {f["--kv-cache-memory-bytes"] for f in flag.values()} == {str(16 * vb.GIB)}  # all alike, alone
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    assert vb.adapter_rank(tmp_path / "ad") == 8
+    got = vb.sweep_ratios(
+        {"rank-adapter": {"ratio_adapter_over_base": {"1": 0.9}}, "loras4": {"not_measured": "x"}}
+    )
+    assert got["max_lora_rank"] == {"adapter": {"1": 0.9}, "64": None} and got["max_loras"]["4"] is None
+
+
+def test_fleet64_paths_and_engine(tmp_path, monkeypatch):
+    """The 64-layer plan: bf16 base in /dev/shm, NVFP4 build in WORK, no MTP, 32 sequences; the build
+    still counts once the bf16 copy is deleted (the disk cannot hold both)."""
+    monkeypatch.setattr(vb, "SHM", tmp_path / "shm")
+    ctx = vb.Ctx("fleet64", tmp_path / "w", tmp_path / "o", 1e9, gpu=True)
+    assert ctx.bf16 == tmp_path / "shm" / "real64" and ctx.nvfp4 == tmp_path / "w" / "real64-nvfp4"
+    a = vb.engine_argvs("fleet64", tmp_path / "w")["fleet64"]
+    assert "--speculative-config" not in a and a[a.index("--quantization") + 1] == "modelopt"
+    assert a[len(a) - 1 - a[::-1].index("--max-num-seqs") + 1] == "32"  # the last one wins
+    assert vb.served_base_cmd(ctx)[-4:] == [ctx.bf16, ctx.nvfp4, "--device", "cuda"]
+    ctx.bf16.mkdir(parents=True)
+    (ctx.bf16 / "config.json").write_text("{}")
+    ctx.nvfp4.mkdir(parents=True)
+    (ctx.nvfp4 / "hf_quant_config.json").write_text("{}")
+    assert not vb.nvfp4_current(ctx)  # no marker: not known to be this base's
+    vb.mark_built(ctx)
+    shutil.rmtree(ctx.bf16)
+    assert vb.nvfp4_current(ctx) and vb.st_base64(ctx)["skipped"]
+
+
+def test_exclusive_stops_the_other_engines_and_waits_for_jobs(tmp_path):
+    import subprocess
+
+    ctx = vb.Ctx("main", tmp_path, tmp_path, 1e9, gpu=True)
+    procs = {}
+    for n in ("fleet-a", "fleet-b", "merged"):
+        e = vb.Engine(n, tmp_path, [])
+        e.proc = procs[n] = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        ctx.engines[n] = e
+    job = subprocess.Popen(["sleep", "1"], start_new_session=True)
+    ctx.bg["merge"] = (job, tmp_path / "merge.log", 0.0)
+    try:
+        got = vb.Ctx.exclusive(ctx, "fleet-a")
+        assert sorted(got["stopped"]) == ["fleet-b", "merged"] and got["waited_for"] == ["merge"]
+        assert procs["fleet-a"].poll() is None and procs["fleet-b"].poll() is not None and job.poll() == 0
+        slow = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        ctx.bg["build"] = (slow, tmp_path / "b.log", 0.0)
+        with pytest.raises(RuntimeError, match="build still runs"):
+            ctx.exclusive("fleet-a", wait_s=1)
+    finally:
+        ctx.stop_all()
+
+
+def test_random_adapter_covers_the_shipped_targets_in_the_language_model_only(tmp_path):
+    """fleet64's adapter: r16 on every target of the shipped config, language-model layers only (the
+    engine serves --language-model-only), random non-zero B."""
+    from safetensors.torch import load_file
+
+    got = vb.random_adapter(tmp_path / "ad", 4)
+    t = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    assert got["r"] == 16 and got["tensors"] == len(t) == 2 * (3 * 6 + 7)  # 3 linear-attention + 1 full layer
+    assert all(".language_model.layers." in k for k in t) and not any("visual" in k for k in t)
+    assert {k.split(".")[-3] for k in t} == set(got["targets"])
+    assert all(v.abs().sum() > 0 for v in t.values())
+    cfg = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert cfg["r"] == 16 and cfg["lora_alpha"] == 32
