@@ -197,7 +197,49 @@ def markdown(rec: dict) -> str:
         f"{cn.get('acceptance_length')}, TPOT ms {cn.get('tpot_ms')}, effect retention {f(eff.get('retention'))} "
         f"(engine {f(eff.get('engine_nats'))} vs reference {f(eff.get('reference_nats'))} nats/token, base gap "
         f"{f(eff.get('base_gap_nats'))})",
+        *_speed_lines(rec),
         f"failed stages: {', '.join(rec.get('failed') or []) or 'none'}; Done when: "
         + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in (rec.get("done_when") or {}).items()),
     ]
     return "\n".join(lines)
+
+
+def _rows(title: str, table: dict | None) -> list[str]:
+    """Markdown rows of a decode table: median tok/s [min-max] per batch, base and adapter, and the ratio."""
+    if not table or "tok_s" not in table:
+        return [
+            f"{title}: not measured ({(table or {}).get('not_measured') or (table or {}).get('error') or 'no result'})"
+        ]
+    tok, rng, ratio = (
+        table["tok_s"],
+        table.get("tok_s_range") or {},
+        table.get("ratio_adapter_over_base") or {},
+    )
+    out = [f"{title}: decode tok/s, median of 3 [min-max], adapter/base"]
+    for b in tok.get("base") or {}:
+        cell = {
+            k: f"{tok[k][b]} [{'-'.join(map(str, (rng.get(k) or {}).get(b) or []))}]"
+            for k in ("base", "adapter")
+        }
+        out.append(f"- batch {b}: base {cell['base']}, adapter {cell['adapter']}, ratio {ratio.get(b)}")
+    return out
+
+
+def _speed_lines(rec: dict) -> list[str]:
+    """The issue-37 rows (sweep, 64-layer decode, trained base) when the record has them."""
+    out: list[str] = []
+    for n, t in ((rec.get("sweep") or {}).get("settings") or {}).items():
+        out += _rows(f"sweep {n}", t)
+    if (f64 := rec.get("fleet64")) is not None:
+        out += _rows("64-layer NVFP4, no MTP", f64.get("decode"))
+    if (tb := rec.get("trained")) is not None:
+        agree = ((tb.get("nvfp4_vs_bf16") or {}).get("agreement")) or {}
+        for k in ("bf16", "nvfp4"):
+            e = tb.get(k) or {}
+            dec = {b: d.get("tok_s") for b, d in (e.get("decode") or {}).items()}
+            out.append(
+                f"trained base, {k}: acceptance length {e.get('greedy_acceptance_length')}, decode tok/s {dec}"
+            )
+        out.append(f"trained base, NVFP4 vs bf16 greedy: token agreement {agree.get('token_agreement')}, "
+                   f"prefix agreement {agree.get('prefix_agreement')}")  # fmt: skip
+    return out

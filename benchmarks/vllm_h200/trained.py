@@ -26,35 +26,37 @@ def heldout_prompts(base: Path, n: int = TRAINED_PROMPTS, length: int = PROMPT_L
     saw: the held-out files of `pipeline.dev.corpus` (split by path hash, so held out on any host), read
     from this interpreter's site-packages, windows spaced 4x`length` apart as `pipeline dev trained-base`
     cuts its own greedy prompts. Falls back to the user turns of datasets/agent_chat_validation.jsonl
-    when no corpus is found here (or pipeline.dev.corpus is missing). Returns {prompts, source}. Raises RuntimeError when the text gives
-    fewer than `n` prompts."""
+    when the corpus is missing here or too small for `n` prompts (or pipeline.dev.corpus is missing).
+    Returns {prompts, source, length}. Raises RuntimeError when neither gives `n` prompts."""
     from tokenizers import Tokenizer
 
     from pipeline.errors import UsageError
 
     tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    rows = (REPO / "datasets" / "agent_chat_validation.jsonl").read_text().splitlines()
+    validation = [
+        m["content"] for x in rows if x for m in json.loads(x)["messages"] if m.get("role") == "user"
+    ]
+    tried = []
     try:
         from pipeline.dev import corpus
 
-        docs, source = corpus.collect(None, 40_000_000).heldout, "pipeline.dev.corpus held-out files"
-    except (ImportError, UsageError):  # a checkout without pipeline/dev/corpus.py, or no corpus on this host
-        rows = [
-            json.loads(x)
-            for x in (REPO / "datasets" / "agent_chat_validation.jsonl").read_text().splitlines()
-            if x
-        ]
-        docs = [m["content"] for r in rows for m in r["messages"] if m.get("role") == "user"]
-        source = "datasets/agent_chat_validation.jsonl user turns"
-    stream: list[int] = []
-    for d in docs:
-        stream.extend(tok.encode(d, add_special_tokens=False).ids)
-        if len(stream) >= n * length * 4:
-            break
-    step = length * 4 if len(stream) >= n * length * 4 else length
-    prompts = [stream[i * step : i * step + length] for i in range(n) if len(stream) >= i * step + length]
-    if len(prompts) < n:
-        raise RuntimeError(f"{source}: {len(stream)} tokens give {len(prompts)} prompts of {length}, not {n}")
-    return {"prompts": prompts, "source": source, "length": length}
+        sources = [("pipeline.dev.corpus held-out files", corpus.collect(None, 40_000_000).heldout)]
+    except (ImportError, UsageError) as e:  # a checkout without pipeline/dev/corpus.py, or no corpus here
+        sources, tried = [], [f"pipeline.dev.corpus: {e}"]
+    sources.append(("datasets/agent_chat_validation.jsonl user turns", validation))
+    for source, docs in sources:
+        stream: list[int] = []
+        for d in docs:
+            stream.extend(tok.encode(d, add_special_tokens=False).ids)
+            if len(stream) >= n * length * 4:
+                break
+        step = length * 4 if len(stream) >= n * length * 4 else length
+        prompts = [stream[i * step : i * step + length] for i in range(n) if len(stream) >= i * step + length]
+        if len(prompts) == n:
+            return {"prompts": prompts, "source": source, "length": length, "not_used": tried}
+        tried.append(f"{source}: {len(stream)} tokens give {len(prompts)} prompts of {length}, not {n}")
+    raise RuntimeError("; ".join(tried))
 
 
 def _trained_engine(ctx: Ctx, name: str) -> dict:

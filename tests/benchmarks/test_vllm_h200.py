@@ -439,3 +439,18 @@ def test_driver_package_modules_stay_small():
     assert {"plans.py", "engines.py", "stages.py", "record.py"} <= set(sizes)
     assert max(sizes.values()) <= 600, sizes
     assert len((REPO / "benchmarks" / "vllm_h200.py").read_text().splitlines()) < 40  # the command line only
+
+
+def test_markdown_shows_medians_with_their_spread_and_says_what_was_not_measured():
+    table = {
+        "tok_s": {"base": {"1": 100.0}, "adapter": {"1": 60.0}},
+        "tok_s_range": {"base": {"1": [98.0, 101.0]}, "adapter": {"1": [59.0, 61.5]}},
+        "ratio_adapter_over_base": {"1": 0.6},
+    }
+    rec = {
+        "sweep": {"settings": {"rank64": table, "loras4": {"not_measured": "deadline: 90 s left"}}},
+        "fleet64": {"decode": table},
+    }
+    md = record.markdown(rec)
+    assert "- batch 1: base 100.0 [98.0-101.0], adapter 60.0 [59.0-61.5], ratio 0.6" in md
+    assert "sweep loras4: not measured (deadline: 90 s left)" in md and "64-layer NVFP4, no MTP" in md
