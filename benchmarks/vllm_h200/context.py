@@ -262,8 +262,9 @@ class Ctx:
         {stopped, gpu_apps_after, waited_s}."""
         e = self.engines.get(name)
         stopped = e is not None and e.proc is not None and e.proc.poll() is None
-        if stopped:
-            _kill(e.proc)
+        if not stopped:  # nothing of ours to wait for
+            return {"stopped": False, "gpu_apps_after": None, "waited_s": 0.0}
+        _kill(e.proc)
         t = time.time()
         apps = gpu_apps()
         while apps and time.time() - t < settle_s:
