@@ -454,3 +454,12 @@ def test_markdown_shows_medians_with_their_spread_and_says_what_was_not_measured
     md = record.markdown(rec)
     assert "- batch 1: base 100.0 [98.0-101.0], adapter 60.0 [59.0-61.5], ratio 0.6" in md
     assert "sweep loras4: not measured (deadline: 90 s left)" in md and "64-layer NVFP4, no MTP" in md
+
+
+def test_the_canarys_tpot_beside_another_engine_carries_no_number(tmp_path):
+    """Issue 37: a timed row not measured with the GPU the engine's alone says why and has no number."""
+    ctx = context.Ctx("main", tmp_path, tmp_path, 1e9, gpu=True)
+    done = {"canary_served": {"ok": True, "result": {"speed": {"base": {"tpot_s": 0.0073}}}}}
+    cn = record.assemble(ctx, done)["canary_nvfp4"]
+    assert cn["tpot_ms"] is None and "beside instance b" in cn["tpot_not_measured"]
+    assert record.assemble(ctx, {})["canary_nvfp4"]["tpot_not_measured"] is None
