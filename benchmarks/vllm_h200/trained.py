@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from . import REPO
 from .engines import TRAINED_PORTS, _du, trained_engines
 from .measure import agreement, decode, greedy
-from .stages import mark_built, nvfp4_current, served_base_cmd
+from .stages import _built_from, mark_built, nvfp4_current, served_base_cmd
 
 if TYPE_CHECKING:
     from .context import Ctx
@@ -62,11 +62,13 @@ def heldout_prompts(base: Path, n: int = TRAINED_PROMPTS, length: int = PROMPT_L
 def _trained_engine(ctx: Ctx, name: str) -> dict:
     """Start engine `name` of `trained_engines` alone on the GPU, measure, stop it: ready time, greedy
     tokens + acceptance on the held-out prompts, decode rows at batch 1 and 8 (warm-up + REPEATS)."""
-    if "prompts" not in ctx.facts:
+    if "prompts" not in ctx.facts:  # one set per base (a base of the same name rebuilt gets new ones)
         p = ctx.work / f"{ctx.bf16.name}-prompts.json"
-        if not p.exists():
-            p.write_text(json.dumps(heldout_prompts(ctx.bf16)))
-        ctx.facts["prompts"] = json.loads(p.read_text())
+        got = json.loads(p.read_text()) if p.exists() else {}
+        if got.get("built_from") != _built_from(ctx):
+            got = heldout_prompts(ctx.bf16) | {"built_from": _built_from(ctx)}
+            p.write_text(json.dumps(got))
+        ctx.facts["prompts"] = got
     prompts = ctx.facts["prompts"]["prompts"]
     e = ctx.start_engine(trained_engines(ctx)[name], TRAINED_PORTS[name])
     try:
@@ -84,7 +86,9 @@ def _trained_engine(ctx: Ctx, name: str) -> dict:
 def st_tb_bf16(ctx: Ctx) -> dict:
     """The bf16 base with the fleet's flags (no quantization) and MTP x3, alone on the GPU."""
     res = _trained_engine(ctx, "tb-bf16")
-    (ctx.work / f"{ctx.bf16.name}-bf16-engine.json").write_text(json.dumps(res))
+    (ctx.work / f"{ctx.bf16.name}-bf16-engine.json").write_text(
+        json.dumps(res | {"built_from": _built_from(ctx)})
+    )
     return res
 
 
@@ -108,6 +112,10 @@ def st_tb_nvfp4(ctx: Ctx) -> dict:
     if not ref_p.exists():
         raise RuntimeError(f"no bf16 engine result ({ref_p}): stage tb_bf16 did not run on this machine")
     ref = json.loads(ref_p.read_text())
+    if ref.get("built_from") != _built_from(ctx):
+        raise RuntimeError(
+            f"{ref_p} was measured on another base ({ref.get('built_from')}): run stage tb_bf16 again"
+        )
     res = _trained_engine(ctx, "tb-nvfp4")
     res["vs_bf16"] = {
         "agreement": agreement(ref["greedy"]["tokens"], res["greedy"]["tokens"]),

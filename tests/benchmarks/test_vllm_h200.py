@@ -463,3 +463,52 @@ def test_the_canarys_tpot_beside_another_engine_carries_no_number(tmp_path):
     cn = record.assemble(ctx, done)["canary_nvfp4"]
     assert cn["tpot_ms"] is None and "beside instance b" in cn["tpot_not_measured"]
     assert record.assemble(ctx, {})["canary_nvfp4"]["tpot_not_measured"] is None
+
+
+def test_trained_plan_stops_each_engine_before_the_next_and_compares_greedy_tokens(
+    tiny_vl_base, tmp_path, monkeypatch
+):
+    """tb_bf16 then tb_nvfp4, each engine stopped before the next starts; the NVFP4 greedy tokens are
+    compared with the bf16 engine's on the same prompts, and a bf16 result of another base is refused."""
+    base = _trained_base(tiny_vl_base, tmp_path / "tb")
+    ctx = context.Ctx("trained", tmp_path / "w", tmp_path / "o", 1e9, gpu=True, base_given=base)
+    (tmp_path / "w").mkdir()
+    events, running = [], set()
+    tokens = {"tb-bf16": [[1, 2, 3], [4, 5, 6]], "tb-nvfp4": [[1, 2, 3], [4, 0, 6]]}
+
+    def start(e, port):
+        assert not running, f"{e.name} started while {running} runs"
+        running.add(e.name)
+        events.append(("start", e.name))
+        e.port, e.ready_s = port, 1.0
+        ctx.engines[e.name] = e
+        return e
+
+    def stop(name, settle_s=60.0):
+        running.discard(name)
+        events.append(("stop", name))
+        return {"stopped": True}
+
+    monkeypatch.setattr(
+        trained, "heldout_prompts", lambda b: {"prompts": [[7] * 4] * 56, "source": "test", "length": 4}
+    )
+    monkeypatch.setattr(ctx, "start_engine", start)
+    monkeypatch.setattr(ctx, "wait_engine", lambda name, timeout: ctx.engines[name])
+    monkeypatch.setattr(ctx, "stop_engine", stop)
+    monkeypatch.setattr(
+        trained,
+        "greedy",
+        lambda url, m, p, k: {"tokens": tokens[next(iter(running))], "acceptance_length": 2.0},
+    )
+    monkeypatch.setattr(trained, "decode", lambda url, m, b, k, pool: {"tok_s": 100.0 * b, "pool": len(pool)})
+    bf = trained.st_tb_bf16(ctx)
+    assert bf["decode"]["8"]["pool"] == 40 and bf["greedy"]["acceptance_length"] == 2.0
+    nv = trained.st_tb_nvfp4(ctx)
+    assert events == [("start", "tb-bf16"), ("stop", "tb-bf16"), ("start", "tb-nvfp4"), ("stop", "tb-nvfp4")]
+    assert nv["vs_bf16"]["agreement"]["first_divergence"] == [None, 1]
+    assert nv["vs_bf16"]["decode_ratio_nvfp4_over_bf16"] == {"1": 1.0, "8": 1.0}
+    summary = trained.trained_summary(None, bf, None, nv)
+    assert summary["nvfp4_vs_bf16"]["agreement"]["token_agreement"] == round(5 / 6, 4)
+    os.utime(base / "trained_base.json", (1, 1))  # the base changed: the bf16 result is not its
+    with pytest.raises(RuntimeError, match="another base"):
+        trained.st_tb_nvfp4(ctx)
