@@ -2,7 +2,11 @@
 # One device call on a lent H200 (`nvidia-h200`): the fleet's kind of engine end to end (issue 23),
 # vLLM 0.25.1 + ModelOpt NVFP4 + MTP + hot-loaded LoRA, driven by the `pipeline` CLI.
 #
-#   OUT=... bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]      # PLAN: main (default) | main2 | sweep | prep
+#   OUT=... [BASE=DIR] bash scripts/gpu/vllm_call.sh [PLAN] [DEADLINE_S]
+#   PLAN: main (default) | main2 | sweep | prep | trained (needs BASE) | fleet64 (64-layer base in /dev/shm)
+#
+# BASE: a prebuilt bf16 base (e.g. `pipeline dev trained-base /dev/shm/tb`) the plans use instead of
+# building the random 8-layer real-geometry one (`run --base`); plan trained measures it bf16 vs NVFP4.
 #
 # prep: the first call of a fresh machine, while the vLLM bundle's last parts are still to come (a call
 # carries 64 MiB): base, MTP layer, both trainings, the NVFP4 checkpoint and the merged NVFP4 model, all
@@ -65,7 +69,7 @@ if ! grep -q '^axolotl ' "$OUT/host.txt"; then
 fi
 
 PYTHONPATH=$TRAIN_SITE:$ROOT timeout -k 10 $((DEADLINE + 45)) python3 benchmarks/vllm_h200.py run "$PLAN" \
-    --work "$WORK" --out "$OUT" --deadline-s "$DEADLINE" 2>&1 | tee "$OUT/driver.log"
+    --work "$WORK" --out "$OUT" --deadline-s "$DEADLINE" ${BASE:+--base "$BASE"} 2>&1 | tee "$OUT/driver.log"
 rc=${PIPESTATUS[0]}
 el "driver exit $rc"
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null

@@ -229,7 +229,15 @@ def test_every_benchmark_has_a_smoke():
         assert not test or f"def {test}(" in text, where
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py")))
+# every benchmark's source: the scripts, and the modules of a benchmark package (benchmarks/vllm_h200/)
+SOURCES = sorted(
+    str(p.relative_to(BENCH))[: -len(".py")]
+    for p in [*BENCH.glob("*.py"), *BENCH.glob("*/*.py")]
+    if p.parent == BENCH or (p.parent / "__init__.py").exists()
+)
+
+
+@pytest.mark.parametrize("name", SOURCES)
 def test_benchmarks_monkeypatch_nothing(name):
     """Benchmarks call the product's functions; they never assign a module attribute of the pipeline
     (`publish_mod.rollout = timed_rollout` is how publish_latency rotted)."""
