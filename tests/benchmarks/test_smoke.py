@@ -72,7 +72,6 @@ def smokes(tmp_path_factory) -> dict[str, Future]:
         "validate_static": pool.submit(smoke, "validate_static"),
         "merge": pool.submit(smoke, "merge", "--workdir", str(work / "merge")),
         "qwen36_27b": pool.submit(smoke, "qwen36_27b"),
-        "trained_serving": pool.submit(smoke, "trained_serving"),
     }
     runs["work"] = work
     yield runs
@@ -159,12 +158,6 @@ def test_gpu_benchmark_summaries_do_not_drop_a_nan(tmp_path):
     (sc,) = axolotl_h200.scaling(rows)
     assert sc["max_rel_loss_diff_vs_1gpu"] == math.inf
     assert train_throughput._worst([0.1, math.nan]) == math.inf and train_throughput._worst([]) is None
-
-
-def test_trained_serving_smoke(smokes):
-    """The trained base's serving figures: token agreement per position and before the first difference."""
-    out = smokes["trained_serving"].result()
-    assert '"per_position": 0.8333' in out and '"before_first_difference": 0.75' in out
 
 
 def test_recompute_sweep_smoke(smokes):
