@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # One device call on a lent H200 (`nvidia-h200`): the trained stand-in base (issue 36) and what is
 # measured on it without vLLM: `pipeline dev trained-base`, the packing check on it (issue 39), and
-# its served NVFP4 + MTP build (before the packing check: the vLLM calls need it)
-# and (`pipeline dev served-base`, kept in /dev/shm for the vLLM calls that
-# follow on the same warm machine).
+# its served NVFP4 + MTP build (`pipeline dev served-base`, made before the packing check and kept in
+# /dev/shm for the vLLM call that follows on the same warm machine: `BASE=/dev/shm/tb bash scripts/gpu/vllm_call.sh trained`).
 #
 #   OUT=... bash scripts/gpu/trained_call.sh [MINUTES]          # run from the checkout the device tool sends
 #
 # Carried (device `carry`): .whl/gpu/py.tar.xz, .whl/gpu/kern.tar.xz (scripts/gpu/bundle.sh) and
 # .whl/vllm/modelopt.tar.xz + .whl/vllm/SHA256SUMS.modelopt (scripts/gpu/vllm_bundle.sh). Writes
-# $OUT/trained_base.json, $OUT/packing_check.json, $OUT/served.log and the tokenizer files.
+# $OUT/trained_base.json, $OUT/packing_check.json, the logs ($OUT returns 8 files at most).
 set -uo pipefail
 MIN=${1:-3.5}
 : "${OUT:?OUT must name the results folder}"
