@@ -123,6 +123,7 @@ def test_layers_point_one_way():
         "pipeline.children": 0,
         "pipeline.config": 0,
         "pipeline.findings": 0,
+        "pipeline.figures": 0,
         "pipeline.redact": 0,
         "pipeline.artifacts": 0,
         "pipeline.serving": 0,

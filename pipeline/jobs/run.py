@@ -43,6 +43,7 @@ from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
+from pipeline.figures import figure, figures
 from pipeline.interrupt import Interrupted, shielded
 from pipeline.release.publish import publish
 from pipeline.release.transaction import checkpoint
@@ -134,7 +135,7 @@ def eval_loss_gate(
     if prod_loss is None:
         return None  # nothing to compare with: production predates eval losses
     if loss is None:
-        return f"candidate has no eval_loss to compare with production v{prod_version}'s {prod_loss!r}"
+        return f"candidate has no eval_loss to compare with production v{prod_version}'s {figure(prod_loss)}"
     if not math.isfinite(prod_loss):
         return None  # production's own loss is no measure: nothing to compare with
     mine, theirs = candidate.get(registry.EVAL_SET_TAG), production.get(registry.EVAL_SET_TAG)
@@ -144,9 +145,11 @@ def eval_loss_gate(
             f"on {theirs[:12]}; keep the validation files, or ship it by hand (`pipeline promote`)"
         )
     if loss > prod_loss + margin:
+        mine_s, theirs_s = figures(loss, prod_loss)  # as many digits as it takes to show them apart
+        diff_s, margin_s = figures(loss - prod_loss, margin)
         return (
-            f"eval_loss {loss!r} is worse than production v{prod_version}'s {prod_loss!r} by "
-            f"{loss - prod_loss:.6g}, more than run.eval_loss_margin {margin}"
+            f"eval_loss {mine_s} is worse than production v{prod_version}'s {theirs_s} by "
+            f"{diff_s}, more than run.eval_loss_margin {margin_s}"
         )
     return None
 

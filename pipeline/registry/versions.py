@@ -329,6 +329,21 @@ def record_gate(
     refresh_ui(cfg, name, [version])
 
 
+def same_weights(cfg: ProjectConfig, name: str, weights_sha256: str):
+    """The newest version of `name` whose weights have sha256 `weights_sha256` (a ModelVersion), or None.
+
+    None also when `name` is not registered yet or `weights_sha256` is empty. Reads the versions'
+    `weights_sha256` tags (set at registration), so it costs one search, no download.
+    """
+    if not weights_sha256 or not model_exists(cfg, name):
+        return None
+    client = mlflow_for(cfg).MlflowClient()
+    found = client.search_model_versions(
+        f"name='{name}' and tags.`weights_sha256` = '{weights_sha256}'", max_results=1000
+    )
+    return max(found, key=lambda v: int(v.version), default=None)
+
+
 def model_exists(cfg: ProjectConfig, name: str) -> bool:
     from mlflow.exceptions import MlflowException
 

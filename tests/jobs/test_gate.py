@@ -47,10 +47,25 @@ def test_the_reason_states_the_exact_values_it_compared():
     to 4 digits): both numbers come from the exact tags now, and say the difference."""
     why = eval_loss_gate(tags(6.887712478637695), tags(6.81234), 0.05, 3)
     assert why == (
-        "eval_loss 6.887712478637695 is worse than production v3's 6.81234 by 0.0753725, "
-        "more than run.eval_loss_margin 0.05"
+        "eval_loss 6.888 is worse than production v3's 6.812 by 0.07537, more than run.eval_loss_margin 0.05"
     )
     assert eval_loss_gate(tags(6.887712478637695), tags(6.81234), 0.08, 3) is None
+
+
+def test_the_reason_prints_figures_not_float_reprs():
+    """Issue 41.8: a gate reason printed `6.57420539855957`. Figures have 4 significant digits, more only
+    where two compared values would otherwise print alike (the reason never shows a loss worse than an
+    equal-looking one), and the margin never reads as equal to the difference it was exceeded by."""
+    why = eval_loss_gate(tags(6.57420539855957), tags(6.5), 0.05, 1)
+    assert (
+        why
+        == "eval_loss 6.574 is worse than production v1's 6.5 by 0.07421, more than run.eval_loss_margin 0.05"
+    )
+    close = eval_loss_gate(tags(6.57420539855957), tags(6.57410001), 0.0, 1)
+    assert "eval_loss 6.5742 is worse than production v1's 6.5741 by 0.0001054, more than" in close
+    just = eval_loss_gate(tags(6.0500001), tags(6.0), 0.05, 1)
+    assert "by 0.0500001, more than run.eval_loss_margin 0.05" in just, just
+    assert "6.57420539855957" not in eval_loss_gate({}, tags(6.57420539855957), 0.05, 1)
 
 
 def test_losses_on_different_evaluation_sets_are_not_compared():
