@@ -107,6 +107,18 @@ def _registered_weights(cfg: ProjectConfig, name: str, weights_sha256: str):
     )
 
 
+def skip_reason(name: str, version: int, production: int | None) -> str:
+    """Why `pipeline run` skipped: the version trained from these inputs, and the one in production
+    (they differ after a rollback or a promote of another version)."""
+    if production == version:
+        return f"inputs unchanged: v{version}, in production, was trained from them (--force retrains)"
+    now = f"v{production} is in production" if production is not None else "nothing is in production"
+    return (
+        f"inputs unchanged: v{version} was trained from them; {now} (`pipeline promote {name} {version}` "
+        "ships it again; --force retrains)"
+    )
+
+
 def _shipped(mv) -> bool:
     """The version was published (or rolled back to) at least once."""
     tags = mv.tags or {}
@@ -289,9 +301,8 @@ def run(
             if same is not None and _shipped(same):
                 seconds["check"] = time.time() - t0
                 out.status, out.version, out.stage = "skipped", int(same.version), "done"
-                out.reason = (
-                    f"inputs unchanged: version {same.version} was trained from them (--force retrains)"
-                )
+                prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
+                out.reason = skip_reason(name, int(same.version), prod)
                 return out
         ds = check_inputs(cfg, tc, set(allow), world=plan.world)
         fp = training_inputs(ds.fingerprint, tc.data)["fingerprint"]
@@ -344,7 +355,15 @@ def run(
 
         t = time.time()
         out.stage = "register"
-        again = None if force else _registered_weights(cfg, name, manifest.weights_sha256)
+        again = _registered_weights(cfg, name, manifest.weights_sha256)
+        if again is not None and force:  # a forced retrain that reproduced a version bit for bit
+            log.warning(
+                "%s v%s holds these very weights (sha256 %s): registering them again as a new version (--force)",
+                name,
+                again.version,
+                manifest.weights_sha256[:16],
+            )
+            again = None
         with shielded():  # a registration is completed (version, tags), never cut half-way
             if again is not None:  # registered by a run killed before it could tag the fingerprint
                 version = int(again.version)

@@ -172,3 +172,19 @@ def test_publish_gate_floor_needs_a_recorded_figure(floor, tag, value, words):
     setattr(cfg.canary, floor, 0.5)
     with pytest.raises(CheckFailed, match=words):
         gate(cfg, mv)
+
+
+def test_the_skip_names_the_version_in_production():
+    """Issue 41.6: `run` skipped with "version 2 was trained from them" while v1 was in production after a
+    rollback: the reason names the version in production, and how to ship the skipped one."""
+    from pipeline.jobs.run import skip_reason
+
+    assert (
+        skip_reason("agent", 2, 2)
+        == "inputs unchanged: v2, in production, was trained from them (--force retrains)"
+    )
+    assert skip_reason("agent", 2, 1) == (
+        "inputs unchanged: v2 was trained from them; v1 is in production (`pipeline promote agent 2` ships it "
+        "again; --force retrains)"
+    )
+    assert "nothing is in production" in skip_reason("agent", 2, None)
