@@ -122,6 +122,7 @@ def test_layers_point_one_way():
         "pipeline.interrupt": 0,
         "pipeline.children": 0,
         "pipeline.config": 0,
+        "pipeline.config_errors": 0,
         "pipeline.findings": 0,
         "pipeline.figures": 0,
         "pipeline.redact": 0,
