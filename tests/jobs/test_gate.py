@@ -139,7 +139,10 @@ def test_the_canary_floor_compares_the_exact_ratio(ratio, passes):
     if passes:
         gate(cfg, mv)
     else:
-        with pytest.raises(CheckFailed, match="speed_ratio 0.800 is below canary.min_speed_ratio 0.8"):
+        # the figure shows the digits that put it below the floor (issue 41.8: it read "0.800 is below 0.8")
+        with pytest.raises(
+            CheckFailed, match=r"speed_ratio 0\.7999\d* is below canary.min_speed_ratio 0\.8$"
+        ):
             gate(cfg, mv)
 
 
@@ -150,7 +153,7 @@ def test_the_canary_floor_compares_the_exact_ratio(ratio, passes):
         ("min_speed_ratio", "speed_ratio", "nan", "has no speed_ratio"),  # nan < floor is False: it passed
         ("min_acceptance_ratio", "acceptance_ratio", None, "has no acceptance_ratio"),
         ("min_effect_retention", "effect_retention", None, "has no effect_retention"),
-        ("min_effect_retention", "effect_retention", "0.4", "effect_retention 0.400 is below"),
+        ("min_effect_retention", "effect_retention", "0.4", "effect_retention 0.4 is below"),
     ],
 )
 def test_publish_gate_floor_needs_a_recorded_figure(floor, tag, value, words):
@@ -188,3 +191,20 @@ def test_the_skip_names_the_version_in_production():
         "again; --force retrains)"
     )
     assert "nothing is in production" in skip_reason("agent", 2, None)
+
+
+def test_a_canary_floor_never_reads_as_met():
+    """Sibling of issue 41.8 in publish's canary gate: a speed ratio of 0.7996 against a floor of 0.8 was
+    refused as "canary speed_ratio 0.800 is below canary.min_speed_ratio 0.8"."""
+    from types import SimpleNamespace
+
+    from pipeline.canary.record import TAG
+    from pipeline.canary.record import gate as canary_gate
+    from pipeline.errors import CheckFailed
+
+    cfg = ProjectConfig()
+    cfg = cfg.model_copy(update={"canary": cfg.canary.model_copy(update={"min_speed_ratio": 0.8})})
+    mv = SimpleNamespace(name="a", version=2, tags={TAG + "verdict": "pass", TAG + "speed_ratio": "0.7996"})
+    with pytest.raises(CheckFailed) as e:
+        canary_gate(cfg, mv)
+    assert "canary speed_ratio 0.7996 is below canary.min_speed_ratio 0.8" in str(e.value)
