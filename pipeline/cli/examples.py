@@ -83,6 +83,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "run": [
         ("the nightly job", "pipeline run my-task.yml --name my-task"),
+        ("would it skip, ship or train?", "pipeline run my-task.yml --name my-task --dry-run"),
         ("retrain even if the inputs are unchanged", "pipeline run my-task.yml --name my-task --force"),
     ],
     "follow-alias": [

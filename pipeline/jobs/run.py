@@ -233,6 +233,68 @@ def _ship(
     return out
 
 
+def run_plan(
+    cfg: ProjectConfig,
+    config_path: Path,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    overrides: list[str] = (),
+    overlays: list[Path] = (),
+    allow: set[str] = frozenset(),
+    gpus: int = 1,
+    launcher: str | None = None,
+    launcher_args: list[str] = (),
+    strategy: str = "auto",
+) -> dict:
+    """What `run` with these arguments would do now (`pipeline run --dry-run`), as a JSON-ready dict.
+
+    The same option handling and config checks as `run` before its lock, then the skip decision from
+    the files' fingerprint: `plan` is `skip` (with the reason `run` would give), `ship` (a version
+    registered from these inputs and never published: gate and publish it), or `train` (then
+    validate, register as `version`, gate against `production`, publish). Takes no lock, writes
+    nothing, creates no store. Raises what `run` raises before its lock (UsageError, CheckFailed).
+    """
+    name = check_name(
+        name or default_name(Path(config_path).stem),
+        "adapter name (--name, default: from the config file name)",
+    )
+    tc, plan = training_setup(
+        Path(config_path), list(overrides), list(overlays), gpus, launcher, list(launcher_args), strategy
+    )
+    check_training_config(tc, FleetRules.from_config(cfg), set(allow))
+    known = cfg.store_exists() and registry.model_exists(cfg, name)
+    prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION) if known else None
+    out = {"dry_run": True, "action": "run", "name": name, "production": prod, "version": None}
+    quick = files_fingerprint(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets"))
+    same = None
+    if quick is not None and not force and known:
+        same = _registered_with(cfg, name, training_inputs(quick, tc.data)["fingerprint"])
+    if same is not None and _shipped(same):
+        return {
+            **out,
+            "plan": "skip",
+            "version": int(same.version),
+            "reason": skip_reason(name, int(same.version), prod),
+        }
+    if same is not None:
+        return {
+            **out,
+            "plan": "ship",
+            "version": int(same.version),
+            "reason": f"v{same.version} was registered from these inputs but never published: gate and publish it",
+        }
+    nxt = max((int(v.version) for v in _versions(cfg, name)), default=0) + 1 if known else 1
+    why = "--force" if force else ("the inputs changed" if known else f"no version of {name} yet")
+    return {
+        **out,
+        "plan": "train",
+        "version": nxt,
+        "reason": f"{why}: train ({plan.world} process(es), launcher {plan.launcher}), validate, register as "
+        f"v{nxt}, gate against production ({f'v{prod}' if prod is not None else 'none'}), publish",
+    }
+
+
 def run(
     cfg: ProjectConfig,
     config_path: Path,

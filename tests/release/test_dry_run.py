@@ -156,3 +156,33 @@ def test_prune_asks_on_a_terminal_and_not_in_a_pipe(cfg):
     r = cli(cfg, "fleet", "prune", "agent", "--keep", "2")
     assert r.exit_code == 0 and r.stdout.strip() == f"removed {cfg.volume.path}/agent-v1", r.output
     assert dirs(cfg) == ["agent-v2", "agent-v3"]
+
+
+def test_run_dry_run_says_skip_ship_or_train(cfg, tiny_base, monkeypatch):
+    """Sibling: `pipeline run` (the nightly job) had no preview either. Its dry run takes the same
+    decision from the files' fingerprint, takes no lock and writes nothing."""
+    from pipeline import registry
+    from pipeline.artifacts.fingerprint import training_inputs
+    from pipeline.train.config import load_training_config
+    from pipeline.train.dataset import files_fingerprint
+
+    monkeypatch.chdir(REPO)  # the config's dataset paths are relative to the repo
+    config = REPO / "axolotl_configs" / "tiny-cpu.yml"
+    args = ["run", config, "--name", "agent", "--set", f"base_model={tiny_base}", "--dry-run", "--json"]
+    tc = load_training_config(config, [f"base_model={tiny_base}"])
+    quick = files_fingerprint(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets"))
+    fp = training_inputs(quick, tc.data)["fingerprint"]
+    plan = json.loads(cli(cfg, *args).stdout)
+    assert (plan["plan"], plan["version"], plan["production"]) == ("train", 5, 3), plan
+    registry.set_version_tags(cfg, "agent", 2, {registry.FINGERPRINT_TAG: fp})  # v2 shipped, rolled past
+    try:
+        r = cli(cfg, *args[:-1])
+        assert r.exit_code == 0, r.output
+        assert (
+            "agent: would skip: inputs unchanged: v2 was trained from them; v3 is in production" in r.stdout
+        )
+        assert json.loads(cli(cfg, *args, "--force").stdout)["plan"] == "train"
+    finally:
+        registry.client(cfg).delete_model_version_tag("agent", "2", registry.FINGERPRINT_TAG)
+    assert not (cfg.state_dir / "locks" / "agent.lock").exists() and not cfg.train.runs_dir.exists()
+    assert cli(cfg, "run", config, "--json").exit_code == 2  # --json is for the dry run
