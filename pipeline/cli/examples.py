@@ -118,6 +118,12 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     "demo": [("tiny base to a published adapter", "pipeline demo")],
     "dev tiny-base": [("a tiny random base", "pipeline dev tiny-base .state/tiny-base")],
     "dev real-base": [("the real geometry, 4 layers", "pipeline dev real-base /tmp/base --layers 4")],
+    "dev trained-base": [
+        (
+            "a stand-in base of the fleet's architecture, trained from scratch",
+            "pipeline dev trained-base /dev/shm/tb --layers 8 --minutes 4 --device cuda",
+        ),
+    ],
     "dev served-base": [
         ("its served NVFP4 + MTP form", "pipeline dev served-base /tmp/base /tmp/served --device cuda")
     ],
