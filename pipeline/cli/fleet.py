@@ -217,14 +217,14 @@ def prune(
         }
         lines = [f"would remove {p}" for p in paths] or ["nothing to prune"]
         return print_plan(plan, as_json, lines)
-    if doomed and not yes and not as_json and interactive():
+    declined = False
+    if doomed and not yes and interactive():  # the list and the question on stderr: stdout stays the result
         typer.echo("\n".join(f"would remove {p}" for p in paths), err=True)
-        if not typer.confirm(
-            f"delete {len(paths)} version director{'y' if len(paths) == 1 else 'ies'} of {name}?", err=True
-        ):
-            typer.echo("nothing deleted")
-            return
-    removed = fleet_prune(cfg, name, keep, force, only=set(doomed)) if doomed else []
+        what = f"{len(paths)} version director{'y' if len(paths) == 1 else 'ies'} of {name}"
+        declined = not typer.confirm(f"delete {what}?", err=True)
+    removed = fleet_prune(cfg, name, keep, force, only=set(doomed)) if doomed and not declined else []
+    if declined and not as_json:
+        return typer.echo("nothing deleted")
     if as_json:
         return emit_json({"name": name, "keep": keep, "removed": [str(p) for p in removed]})
     typer.echo("\n".join(f"removed {p}" for p in removed) if removed else "nothing to prune")
