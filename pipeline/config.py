@@ -27,6 +27,7 @@ from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_vali
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from pipeline.artifacts.bounded import MIB, BoundsError, check_json_bounds, load_yaml_file
+from pipeline.config_errors import explain
 from pipeline.errors import ConfigError
 from pipeline.redact import add_secret, redact_uri
 from pipeline.serving.vllm import LORA_RANKS
@@ -581,14 +582,9 @@ def load_config(path: Path | None = None) -> ProjectConfig:
     except SettingsError as e:  # a section given as JSON in the environment that is not JSON
         raise ConfigError(_env_json_error(e)) from e
     except ValidationError as e:
-        where = path or "environment"
-        lines = [f"{where}: invalid config:"]
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            # a value from the environment is named by its variable, not by the file it overrides
-            var = _env_var_for(err["loc"])
-            lines.append(f"  {loc}{f' (from ${var})' if var else ''}: {err['msg']}")
-        raise ConfigError("\n".join(lines)) from e
+        # the key's line in the file, `did you mean`, or the variable a value came from (pipeline/config_errors.py)
+        lines = explain(e.errors(), ProjectConfig, path, _env_var_for)
+        raise ConfigError("\n".join([f"{path or 'environment'}: invalid config:", *lines])) from e
     _check_uris(cfg, path)
     cfg.source = path.resolve() if path else None
     cfg.root = path.resolve().parent if path else (root or Path.cwd().resolve())

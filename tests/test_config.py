@@ -200,3 +200,42 @@ def test_a_section_from_the_environment_is_bounded_json(monkeypatch, tmp_path):
                 load_config(cfg_file)
     monkeypatch.setenv("PIPELINE_FLEET", '{"max_lora_rank": 32}')
     assert load_config(cfg_file).fleet.max_lora_rank == 32
+
+
+def test_a_typo_in_pipeline_yaml_gets_its_line_and_the_key_meant(tmp_path):
+    """Issue 41.8: `fleet: {max_lora_rnak: 16}` said "fleet.max_lora_rnak: Extra inputs are not permitted",
+    with no line and no suggestion. Siblings: a typo inside a list item, a section name, a bad value's line,
+    and a value from the environment still named by its variable."""
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(
+        "state_dir: .state\n"
+        "fleet:\n"
+        "  max_lora_rnak: 16\n"
+        "  instances:\n"
+        "    - name: b\n"
+        "      url: 'http://h:2'\n"
+        "      api_key_enf: X\n"
+        "registy: {experiment: x}\n"
+        "run: {eval_loss_margin: abc}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{p}: invalid config:"
+    assert "  fleet.max_lora_rnak (line 3): unknown key; did you mean 'max_lora_rank'?" in lines
+    assert "  fleet.instances.0.api_key_enf (line 7): unknown key; did you mean 'api_key_env'?" in lines
+    assert "  registy (line 8): unknown key; did you mean 'registry'?" in lines
+    assert any(ln.startswith("  run.eval_loss_margin (line 9): ") for ln in lines), lines
+    p.write_text("fleet: {zzz: 1}\n")
+    with pytest.raises(ConfigError, match=r"fleet.zzz \(line 1\): unknown key \(known here: .*max_lora_rank"):
+        load_config(p)
+
+
+def test_the_explanation_reads_marks_without_expanding_aliases():
+    from pipeline.config_errors import key_lines
+
+    text = "a: &x [1, [2, 3]]\nb: *x\nc:\n  d: 1\n"
+    lines = key_lines(text)
+    assert (lines[("a",)], lines[("b",)], lines[("c",)], lines[("c", "d")]) == (1, 2, 3, 4)
+    assert len(lines) == 4 + 4  # the aliased list's 4 nodes walked once, under one of its two names
+    assert key_lines("a: [unclosed\n") == {}

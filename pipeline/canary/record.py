@@ -9,6 +9,7 @@ from pipeline import registry
 from pipeline.canary.result import CanaryResult
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, UsageError
+from pipeline.figures import figures
 from pipeline.fleet.client import InstanceClient, InstanceError
 
 TAG = "canary."
@@ -179,7 +180,8 @@ def gate(cfg: ProjectConfig, mv) -> list[str]:
                 f"measures it, or unset {what}"
             )
         if not value >= floor:
-            raise CheckFailed(f"{where}: canary {key} {value:.3f} is below {what} {floor}")
+            shown, limit = figures(value, floor)  # 0.7996 against 0.8 printed "0.800 is below 0.8"
+            raise CheckFailed(f"{where}: canary {key} {shown} is below {what} {limit}")
     warnings = []
     measured = t.get(TAG + "checkpoint")
     profile = f"{cfg.served.checkpoint}@{cfg.served.revision or '-'}"

@@ -10,6 +10,7 @@ from pipeline.canary.effect import MIN_REFERENCE_NATS, Effect
 from pipeline.canary.prompts import Prompt
 from pipeline.config import CanarySection
 from pipeline.errors import CheckFailed
+from pipeline.figures import figures
 from pipeline.findings import Finding
 from pipeline.serving.vllm import usable_logprob
 
@@ -286,9 +287,9 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
             Finding(
                 "canary.speed",
                 "error",
-                f"decode speed with the adapter is {res.speed_ratio:.2f}x the base's (time per output token "
-                f"{_ms(res.speed['adapter'].tpot_s)} vs {_ms(res.speed['base'].tpot_s)}), below canary.min_speed_ratio "
-                f"{c.min_speed_ratio}",
+                f"decode speed with the adapter is {figures(res.speed_ratio, c.min_speed_ratio)[0]}x the base's (time "
+                f"per output token {_ms(res.speed['adapter'].tpot_s)} vs {_ms(res.speed['base'].tpot_s)}), below "
+                f"canary.min_speed_ratio {c.min_speed_ratio}",
                 where,
             )
         )
@@ -302,7 +303,8 @@ def judge(c: CanarySection, res: CanaryResult, rank_notes: list[str], outside: l
                 "canary.acceptance",
                 "error",
                 f"mean acceptance length with the adapter {res.speed['adapter'].mean_acceptance_length:.2f} is "
-                f"{res.acceptance_ratio:.2f}x the base's {res.speed['base'].mean_acceptance_length:.2f}, below "
+                f"{figures(res.acceptance_ratio, c.min_acceptance_ratio)[0]}x the base's "
+                f"{res.speed['base'].mean_acceptance_length:.2f}, below "
                 f"canary.min_acceptance_ratio {c.min_acceptance_ratio}: the drafter (no LoRA) no longer predicts it",
                 where,
             )

@@ -22,6 +22,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from pipeline import __version__
 from pipeline.cli._common import CONFIG_META, PipelineGroup, setup_logging
+from pipeline.cli.examples import epilog, polish
 
 # name -> (module under pipeline.cli, is a command group, one-line summary), in stage order:
 # train -> validate -> register -> publish, then the fleet and the jobs around them.
@@ -67,11 +68,11 @@ def load_command(name: str) -> click.Command:
     if is_group:
         group = typer.main.get_group(mod.app)
         group.name = name
-        return group
+        return polish(group, name)
     commands = {**typer.main.get_group(mod.app).commands}
     if hasattr(mod, "demo_app"):
         commands.update(typer.main.get_group(mod.demo_app).commands)
-    return commands[name]
+    return polish(commands[name], name)
 
 
 class LazyGroup(PipelineGroup):
@@ -99,6 +100,7 @@ class LazyGroup(PipelineGroup):
 app = typer.Typer(
     cls=LazyGroup,
     help="Train, validate, register and publish LoRA adapters for a vLLM fleet.",
+    epilog=epilog("pipeline"),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},

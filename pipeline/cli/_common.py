@@ -131,6 +131,24 @@ def emit_json(data) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
 
 
+# The one `--dry-run` option of every command that changes state (kubectl's `--dry-run=client`, gh's preview):
+# the command checks and resolves everything it would act on, prints the plan, changes nothing, exits 0.
+DryRunOption = Annotated[
+    bool,
+    typer.Option("--dry-run", help="print what would be done (with --json: as JSON), change nothing, exit 0"),
+]
+
+
+def print_plan(plan: dict, as_json: bool, lines: list[str]) -> None:
+    """A dry run's plan: `plan` as one JSON document under `--json`, else `lines` and "(dry run: nothing changed)"."""
+    if as_json:
+        emit_json(plan)
+        return
+    for line in lines:
+        typer.echo(line)
+    typer.echo("(dry run: nothing changed)")
+
+
 # Third-party loggers that are noise for an operator (torchao's missing kernels, torch's pytree
 # deprecations, Triton, transformers' advice): shown with `--verbose` only.
 NOISY_LOGGERS = (

@@ -6,13 +6,24 @@ Exit codes: 0 converged, 2 usage, 3 another fleet operation holds the lock, 4 no
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict
 from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, exit_as, finite, log, project_config
+from pipeline.cli._common import (
+    DryRunOption,
+    JsonOption,
+    adapter_name,
+    emit_json,
+    exit_as,
+    finite,
+    log,
+    print_plan,
+    project_config,
+)
 from pipeline.cli.render import NoHeadersOption, Output, OutputOption, output_format, print_fleet
 from pipeline.errors import FleetError, LockedError, PipelineError
 from pipeline.fleet.modes import loading_mode, resolve_served_name
@@ -23,6 +34,7 @@ from pipeline.interrupt import Interrupted
 from pipeline.jobs.follow import follow_alias as follow
 from pipeline.release.desired import volume_rows
 from pipeline.release.prune import prune as fleet_prune
+from pipeline.release.prune import prune_plan
 from pipeline.release.transaction import recover_pending
 
 app = typer.Typer(help="The vLLM fleet: what it serves, reconcile, prune old versions.", no_args_is_help=True)
@@ -38,7 +50,17 @@ def print_reports(reports, as_json: bool = False) -> None:
 
 
 @app.command("status")
-def status(as_json: JsonOption = False, output: OutputOption = None, no_headers: NoHeadersOption = False):
+def status(
+    name: Annotated[
+        str | None,
+        typer.Argument(
+            help="only this adapter (and the instances' own rows); default: all", callback=adapter_name
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+    output: OutputOption = None,
+    no_headers: NoHeadersOption = False,
+):
     """Per instance: what it serves against the desired state (ok, missing, stale, unknown, hung...).
 
     States: ok, missing, stale, extra (loaded, not desired), unknown (marked: a change got no
@@ -49,7 +71,9 @@ def status(as_json: JsonOption = False, output: OutputOption = None, no_headers:
     and nothing drifts, else 4. One line per row (`-o table|wide|json|tsv|name`, `--no-headers`).
     """
     cfg = project_config()
-    rows = (fleet_status(cfg) if cfg.fleet.instances else []) + volume_rows(cfg)
+    rows = (fleet_status(cfg) if cfg.fleet.instances else []) + volume_rows(cfg, [name] if name else None)
+    if name:  # an instance's own rows (unreachable, mismatch: adapter None) concern every adapter
+        rows = [r for r in rows if r.adapter in (None, name)]
     fmt = output_format(output, as_json)
     if fmt is not Output.json:
         mode = loading_mode(cfg)
@@ -57,6 +81,8 @@ def status(as_json: JsonOption = False, output: OutputOption = None, no_headers:
         log.info("fleet: %s mode%s, state %s/fleet-state.json", mode.name, swap, cfg.volume.path)
         if not cfg.fleet.instances:
             log.info("no fleet instances configured (fleet.instances): volume and registry checks only")
+        if name and not rows:
+            log.info("%s: no instance serves it and nothing is wrong with it on the volume", name)
     print_fleet([asdict(r) for r in rows], fmt, no_headers)
     exit_as(FleetError, any(r.state not in CONVERGED for r in rows))
 
@@ -78,6 +104,7 @@ def sync(
         float,
         typer.Option("--interval", min=0.1, callback=finite, help="seconds between passes with --watch"),
     ] = 30.0,
+    dry_run: DryRunOption = False,
     as_json: JsonOption = False,
     follow_alias: Annotated[
         str | None,
@@ -90,13 +117,42 @@ def sync(
     """Make every instance serve the desired versions (idempotent). Exit 0 converged, 4 not.
 
     With --follow-alias, moving the alias in the MLflow UI ships that version (polled every --interval).
+    --dry-run prints what each instance would be asked to load or unload (`fleet status`'s rows that are
+    not ok), and changes nothing.
     """
+    if dry_run:
+        return _sync_plan(as_json)
     try:
         _sync(watch, interval, as_json, follow_alias)
     except Interrupted as e:
         if not watch:
             raise
         log.info("fleet sync --watch: %s", e)  # a daemon's normal stop: a pass in flight was completed
+
+
+SYNC_ACTIONS = {
+    "missing": "load the desired version",
+    "stale": "switch to the desired version",
+    "extra": "unload (not desired)",
+    "unknown": "verify, and load the desired version if it differs",
+}
+
+
+def _sync_plan(as_json: bool) -> None:
+    """`fleet sync --dry-run`: the rows sync would act on, and the ones it cannot fix."""
+    cfg = project_config()
+    rows = fleet_status(cfg) if cfg.fleet.instances else []
+    acts = [
+        {**asdict(r), "action": SYNC_ACTIONS.get(r.state, f"none: {r.state} (sync cannot fix it)")}
+        for r in rows
+        if r.state not in CONVERGED
+    ]
+    lines = [
+        f"{a['instance']}: {a['adapter'] or '-'}: {a['action']}"
+        + (f" (v{a['desired']})" if a.get("desired") else "")
+        for a in acts
+    ] or ["every instance serves the desired versions: nothing to do"]
+    print_plan({"dry_run": True, "action": "sync", "changes": acts}, as_json, lines)
 
 
 def _sync(watch: bool, interval: float, as_json: bool, follow_alias: str | None) -> None:
@@ -139,12 +195,48 @@ def _sync(watch: bool, interval: float, as_json: bool, follow_alias: str | None)
         time.sleep(interval)
 
 
+def interactive() -> bool:
+    """Whether a person can answer a question: stdin and stderr are terminals (not cron, systemd, a pipe, CI)."""
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
 @app.command("prune")
 def prune(
     name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
     keep: Annotated[int, typer.Option("--keep", min=1, help="newest version directories to keep")] = 2,
     force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask on a terminal")] = False,
+    dry_run: DryRunOption = False,
+    as_json: JsonOption = False,
 ):
-    """Delete <volume>/<NAME>-v<K> directories beyond the newest --keep (never the desired version)."""
-    removed = fleet_prune(project_config(), name, keep, force)
+    """Delete <volume>/<NAME>-v<K> directories beyond the newest --keep (never the desired version).
+
+    On a terminal it lists the directories and asks first (--yes does not ask); a run without a
+    terminal (cron, a pipe, CI) never asks and prints what it removed. --dry-run lists them and
+    deletes nothing. Answering no deletes nothing and exits 0.
+    """
+    cfg = project_config()
+    doomed = prune_plan(cfg, name, keep)
+    paths = [str(cfg.volume.path / f"{name}-v{v}") for v in doomed]
+    if dry_run:
+        plan = {
+            "dry_run": True,
+            "action": "prune",
+            "name": name,
+            "keep": keep,
+            "versions": doomed,
+            "paths": paths,
+        }
+        lines = [f"would remove {p}" for p in paths] or ["nothing to prune"]
+        return print_plan(plan, as_json, lines)
+    declined = False
+    if doomed and not yes and interactive():  # the list and the question on stderr: stdout stays the result
+        typer.echo("\n".join(f"would remove {p}" for p in paths), err=True)
+        what = f"{len(paths)} version director{'y' if len(paths) == 1 else 'ies'} of {name}"
+        declined = not typer.confirm(f"delete {what}?", err=True)
+    removed = fleet_prune(cfg, name, keep, force, only=set(doomed)) if doomed and not declined else []
+    if declined and not as_json:
+        return typer.echo("nothing deleted")
+    if as_json:
+        return emit_json({"name": name, "keep": keep, "removed": [str(p) for p in removed]})
     typer.echo("\n".join(f"removed {p}" for p in removed) if removed else "nothing to prune")

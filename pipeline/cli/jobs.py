@@ -11,7 +11,16 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import adapter_name, finite, log, project_config, resolve_error
+from pipeline.cli._common import (
+    DryRunOption,
+    JsonOption,
+    adapter_name,
+    finite,
+    log,
+    print_plan,
+    project_config,
+    resolve_error,
+)
 from pipeline.cli._training import (
     CONTEXT,
     DashDashCommand,
@@ -52,6 +61,8 @@ def run_cmd(
             "fail on any other code; the last line still says `locked`)",
         ),
     ] = False,
+    dry_run: DryRunOption = False,
+    as_json: JsonOption = False,
 ):
     """The scheduled job: retrain if inputs changed, validate, register, publish.
 
@@ -59,7 +70,29 @@ def run_cmd(
 
     Exit codes: 0 published or skipped, 1 check failed, 2 usage, 3 locked, 4 fleet, 5 gated,
     143/130 stopped by SIGTERM/SIGINT (status `killed`; a publish in progress is completed first).
+    --dry-run says whether it would skip, ship a registered version or train, and changes nothing
+    (--json: as one JSON object; the run itself always prints JSON last).
     """
+    if as_json and not dry_run:
+        raise UsageError("--json goes with --dry-run: `pipeline run` ends with one JSON line anyway")
+    if dry_run:
+        refuse_unknown_keys(config, set_, overlay, cached_only=True)
+        from pipeline.jobs.run import run_plan  # lazy: as `run` below
+
+        plan = run_plan(
+            project_config(),
+            config,
+            name=name,
+            force=force,
+            overrides=set_,
+            overlays=overlay,
+            allow=set(allow),
+            gpus=gpus,
+            launcher=launcher.value if launcher else None,
+            launcher_args=launcher_args(ctx),
+            strategy=strategy.value,
+        )
+        return print_plan(plan, as_json, [f"{plan['name']}: would {plan['plan']}: {plan['reason']}"])
     try:
         after = launcher_args(ctx)
         # usage and key errors first, from axolotl's cached keys only (a skipped run must stay fast): < 1 s

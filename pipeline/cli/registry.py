@@ -9,7 +9,18 @@ from typing import Annotated
 import typer
 
 from pipeline import registry
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, err, exit_as, log, project_config
+from pipeline.artifacts.manifest import read_adapter_manifest
+from pipeline.cli._common import (
+    DryRunOption,
+    JsonOption,
+    adapter_name,
+    emit_json,
+    err,
+    exit_as,
+    log,
+    print_plan,
+    project_config,
+)
 from pipeline.cli.render import NoHeadersOption, OutputOption, output_format, print_status
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.registry.read import read_models
@@ -30,20 +41,60 @@ def register(
         typer.Option(help="registered model name (the fleet's stable adapter name)", callback=adapter_name),
     ],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
+    allow_duplicate: Annotated[
+        bool,
+        typer.Option(
+            "--allow-duplicate",
+            help="register weights an existing version of NAME already holds, as a new version",
+        ),
+    ] = False,
+    dry_run: DryRunOption = False,
     as_json: JsonOption = False,
 ):
     """Validate, then record the adapter in MLflow as a model version.
 
     Validate, then record the adapter in MLflow as a model version with alias `candidate`.
-    Exit 1 when validation failed (the version is registered for lineage; publish refuses it)."""
+    Exit 1 when validation failed (the version is registered for lineage; publish refuses it).
+    Weights that a version of NAME already holds (same sha256) are refused (exit 2, naming the
+    version) unless --allow-duplicate."""
     cfg = project_config()
     if not adapter.is_dir():  # also a symlink loop or a path through a file: before validation reads it
         raise UsageError(
             f"{adapter}: not an adapter directory (give the `adapter/` directory `pipeline train` wrote)"
         )
+    same = _same_weights(cfg, adapter, name)  # before validation: a duplicate is refused at once
+    if same is not None and not allow_duplicate:
+        raise UsageError(
+            f"{name}: these weights (sha256 {same.tags['weights_sha256'][:16]}) are already version "
+            f"{same.version}{_aliases_of(cfg, name, int(same.version))}; nothing registered. Publish v{same.version} "
+            f"(`pipeline publish {name} --version {same.version}`), or register them again as a new version with "
+            "--allow-duplicate"
+        )
     rep = validate_with_config(cfg, adapter, base)
-    reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
     failed = sorted({c.id for c in rep.checks if c.severity == "error"})
+    if dry_run:
+        plan = {
+            "dry_run": True,
+            "action": "register",
+            "adapter": str(adapter),
+            "name": name,
+            "version": _next_version(cfg, name),
+            "alias": registry.ALIAS_CANDIDATE,
+            "verdict": rep.verdict,
+            "failed_checks": failed,
+            "duplicate_of": int(same.version) if same is not None else None,
+        }
+        return print_plan(
+            plan,
+            as_json,
+            [
+                f"would register {adapter} as {name} version {plan['version']} (alias candidate), "
+                f"validation {rep.verdict}"
+                + (f" ({', '.join(failed)})" if failed else "")
+                + (f"; same weights as v{same.version} (--allow-duplicate)" if same is not None else "")
+            ],
+        )
+    reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
     if as_json:
         emit_json(
             {
@@ -68,6 +119,30 @@ def register(
             f"refuse it; see `pipeline validate {adapter}`"
         )
         exit_as(CheckFailed)
+
+
+def _same_weights(cfg, adapter: Path, name: str):
+    """The version of `name` holding the adapter's weights already, or None (no store yet, no manifest:
+    `register_adapter` says what is wrong with the directory)."""
+    if not cfg.store_exists():
+        return None
+    try:
+        sha = read_adapter_manifest(adapter).weights_sha256
+    except (OSError, ValueError):
+        return None
+    return registry.same_weights(cfg, name, sha)
+
+
+def _aliases_of(cfg, name: str, version: int) -> str:
+    held = sorted(a for a, v in registry.aliases(cfg, name).items() if v == version)
+    return f" (alias {', '.join(held)})" if held else ""
+
+
+def _next_version(cfg, name: str) -> int:
+    """The version number the next registration of `name` gets (MLflow: the highest + 1)."""
+    if not cfg.store_exists() or not registry.model_exists(cfg, name):
+        return 1
+    return max((int(v.version) for v in registry.versions(cfg, name)), default=0) + 1
 
 
 @app.command()

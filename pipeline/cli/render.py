@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import click
@@ -206,8 +207,9 @@ STATUS_COLUMNS = (
     Column("EVAL_LOSS", lambda r: r["eval_loss"]),
     Column("CANARY", lambda r: _canary_cell(r.get("canary")), color=verdict_color),
     Column("SERVING", _serving),
-    Column("PUBLISHED", lambda r: r["published_path"]),
+    Column("PUBLISHED", lambda r: short_path(r["published_path"], r.get("volume_path"))),
     Column("CREATED", lambda r: r["created"]),
+    Column("PUBLISHED_PATH", lambda r: r["published_path"], wide=True),
     Column("TRAIN_LOSS", lambda r: r["train_loss"], wide=True),
     Column("TOKENS_PER_S", lambda r: r["tokens_per_s"], wide=True),
     Column("WEIGHTS_SHA256", lambda r: (r["weights_sha256"] or "")[:12], wide=True),
@@ -219,9 +221,29 @@ STATUS_COLUMNS = (
 )
 
 
+def short_path(path: str | None, volume: str | None = None) -> str | None:
+    """A path for a table cell (kubectl/gh keep absolute paths out of narrow columns): relative to the
+    working directory when it is below it (`adapters/volume/agent-tools-v1`), else relative to `volume`
+    (`agent-tools-v1`, a directory of `volume.path`), else as given. `-o wide` shows the absolute one."""
+    if not path:
+        return path
+    p = Path(path)
+    for root in (Path.cwd(), Path(volume) if volume else None):
+        if (
+            root is not None
+            and root != Path(root.anchor)
+            and p.is_absolute()
+            and p.is_relative_to(root)
+            and p != root
+        ):
+            return str(p.relative_to(root))
+    return path
+
+
 def status_rows(data: dict) -> list[dict]:
     """`pipeline.release.status.collect`'s document as one row per version, newest first per model."""
-    return [{"model": m["name"], **v} for m in data["models"] for v in m["versions"]]
+    vol = data.get("volume_path")
+    return [{"model": m["name"], "volume_path": vol, **v} for m in data["models"] for v in m["versions"]]
 
 
 def print_status(data: dict, fmt: Output, no_headers: bool = False) -> None:

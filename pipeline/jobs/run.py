@@ -43,6 +43,7 @@ from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, GateFailed, LockedError, UsageError
+from pipeline.figures import figure, figures
 from pipeline.interrupt import Interrupted, shielded
 from pipeline.release.publish import publish
 from pipeline.release.transaction import checkpoint
@@ -106,6 +107,18 @@ def _registered_weights(cfg: ProjectConfig, name: str, weights_sha256: str):
     )
 
 
+def skip_reason(name: str, version: int, production: int | None) -> str:
+    """Why `pipeline run` skipped: the version trained from these inputs, and the one in production
+    (they differ after a rollback or a promote of another version)."""
+    if production == version:
+        return f"inputs unchanged: v{version}, in production, was trained from them (--force retrains)"
+    now = f"v{production} is in production" if production is not None else "nothing is in production"
+    return (
+        f"inputs unchanged: v{version} was trained from them; {now} (`pipeline promote {name} {version}` "
+        "ships it again; --force retrains)"
+    )
+
+
 def _shipped(mv) -> bool:
     """The version was published (or rolled back to) at least once."""
     tags = mv.tags or {}
@@ -134,7 +147,7 @@ def eval_loss_gate(
     if prod_loss is None:
         return None  # nothing to compare with: production predates eval losses
     if loss is None:
-        return f"candidate has no eval_loss to compare with production v{prod_version}'s {prod_loss!r}"
+        return f"candidate has no eval_loss to compare with production v{prod_version}'s {figure(prod_loss)}"
     if not math.isfinite(prod_loss):
         return None  # production's own loss is no measure: nothing to compare with
     mine, theirs = candidate.get(registry.EVAL_SET_TAG), production.get(registry.EVAL_SET_TAG)
@@ -144,9 +157,11 @@ def eval_loss_gate(
             f"on {theirs[:12]}; keep the validation files, or ship it by hand (`pipeline promote`)"
         )
     if loss > prod_loss + margin:
+        mine_s, theirs_s = figures(loss, prod_loss)  # as many digits as it takes to show them apart
+        diff_s, margin_s = figures(loss - prod_loss, margin)
         return (
-            f"eval_loss {loss!r} is worse than production v{prod_version}'s {prod_loss!r} by "
-            f"{loss - prod_loss:.6g}, more than run.eval_loss_margin {margin}"
+            f"eval_loss {mine_s} is worse than production v{prod_version}'s {theirs_s} by "
+            f"{diff_s}, more than run.eval_loss_margin {margin_s}"
         )
     return None
 
@@ -218,6 +233,68 @@ def _ship(
     return out
 
 
+def run_plan(
+    cfg: ProjectConfig,
+    config_path: Path,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    overrides: list[str] = (),
+    overlays: list[Path] = (),
+    allow: set[str] = frozenset(),
+    gpus: int = 1,
+    launcher: str | None = None,
+    launcher_args: list[str] = (),
+    strategy: str = "auto",
+) -> dict:
+    """What `run` with these arguments would do now (`pipeline run --dry-run`), as a JSON-ready dict.
+
+    The same option handling and config checks as `run` before its lock, then the skip decision from
+    the files' fingerprint: `plan` is `skip` (with the reason `run` would give), `ship` (a version
+    registered from these inputs and never published: gate and publish it), or `train` (then
+    validate, register as `version`, gate against `production`, publish). Takes no lock, writes
+    nothing, creates no store. Raises what `run` raises before its lock (UsageError, CheckFailed).
+    """
+    name = check_name(
+        name or default_name(Path(config_path).stem),
+        "adapter name (--name, default: from the config file name)",
+    )
+    tc, plan = training_setup(
+        Path(config_path), list(overrides), list(overlays), gpus, launcher, list(launcher_args), strategy
+    )
+    check_training_config(tc, FleetRules.from_config(cfg), set(allow))
+    known = cfg.store_exists() and registry.model_exists(cfg, name)
+    prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION) if known else None
+    out = {"dry_run": True, "action": "run", "name": name, "production": prod, "version": None}
+    quick = files_fingerprint(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets"))
+    same = None
+    if quick is not None and not force and known:
+        same = _registered_with(cfg, name, training_inputs(quick, tc.data)["fingerprint"])
+    if same is not None and _shipped(same):
+        return {
+            **out,
+            "plan": "skip",
+            "version": int(same.version),
+            "reason": skip_reason(name, int(same.version), prod),
+        }
+    if same is not None:
+        return {
+            **out,
+            "plan": "ship",
+            "version": int(same.version),
+            "reason": f"v{same.version} was registered from these inputs but never published: gate and publish it",
+        }
+    nxt = max((int(v.version) for v in _versions(cfg, name)), default=0) + 1 if known else 1
+    why = "--force" if force else ("the inputs changed" if known else f"no version of {name} yet")
+    return {
+        **out,
+        "plan": "train",
+        "version": nxt,
+        "reason": f"{why}: train ({plan.world} process(es), launcher {plan.launcher}), validate, register as "
+        f"v{nxt}, gate against production ({f'v{prod}' if prod is not None else 'none'}), publish",
+    }
+
+
 def run(
     cfg: ProjectConfig,
     config_path: Path,
@@ -286,9 +363,8 @@ def run(
             if same is not None and _shipped(same):
                 seconds["check"] = time.time() - t0
                 out.status, out.version, out.stage = "skipped", int(same.version), "done"
-                out.reason = (
-                    f"inputs unchanged: version {same.version} was trained from them (--force retrains)"
-                )
+                prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
+                out.reason = skip_reason(name, int(same.version), prod)
                 return out
         ds = check_inputs(cfg, tc, set(allow), world=plan.world)
         fp = training_inputs(ds.fingerprint, tc.data)["fingerprint"]
@@ -341,7 +417,15 @@ def run(
 
         t = time.time()
         out.stage = "register"
-        again = None if force else _registered_weights(cfg, name, manifest.weights_sha256)
+        again = _registered_weights(cfg, name, manifest.weights_sha256)
+        if again is not None and force:  # a forced retrain that reproduced a version bit for bit
+            log.warning(
+                "%s v%s holds these very weights (sha256 %s): registering them again as a new version (--force)",
+                name,
+                again.version,
+                manifest.weights_sha256[:16],
+            )
+            again = None
         with shielded():  # a registration is completed (version, tags), never cut half-way
             if again is not None:  # registered by a run killed before it could tag the fingerprint
                 version = int(again.version)

@@ -42,6 +42,7 @@ from pipeline.canary.prompts import canary_set, load_tokenizer
 from pipeline.canary.result import CanaryError, EngineOutput
 from pipeline.config import Instance, ProjectConfig, http_base_url
 from pipeline.errors import CheckFailed, UsageError
+from pipeline.figures import figures
 from pipeline.fleet.client import InstanceClient, InstanceError
 from pipeline.serving.vllm import usable_logprob
 from pipeline.validate.behaviour import validation_files_from_manifest
@@ -185,10 +186,10 @@ def run_served_parity(
     if not parity["compared"]:
         reasons.append("no token compared: an engine generated nothing, or its replies carry no logprobs")
     if parity["agreement"] < min_agreement:
-        reasons.append(f"token agreement {parity['agreement']:.3f} < {min_agreement}")
+        reasons.append(f"token agreement {figures(parity['agreement'], min_agreement)[0]} < {min_agreement}")
     if parity["max_logprob_diff"] > max_logprob_diff:
         reasons.append(
-            f"max logprob difference {parity['max_logprob_diff']:.3f} nats > {max_logprob_diff} "
+            f"max logprob difference {figures(parity['max_logprob_diff'], max_logprob_diff)[0]} nats > {max_logprob_diff} "
             f"(at {parity['max_logprob_diff_at']})"
         )
     parity.update({"verdict": "fail" if reasons else "pass", "reasons": reasons})

@@ -2,17 +2,24 @@
 
 MLflow's UI (3.17) shows a version's description at the top of the version page, a registered
 model's description at the top of its page, and a model's tags as a column of the model list. Its
-aliases column shows one alias and hides the rest behind "+N", so the version in `production` can
-hide behind a gated candidate; its green tick on a version means "registration READY", not
-"passed". So the answers an operator looks for are put where the UI shows them first, rewritten
-from the registry's own state after every change (register, gate, publish, promote, rollback):
+aliases column shows the alias of the highest version only and hides the rest behind "+N"
+(`ModelsTableAliasedVersionsCell`: aliases sorted by version, newest first), so `production` hides
+behind any newer candidate, and no client setting changes that; its green tick on a version means
+"registration READY", not "passed". So the answers an operator looks for are put where the UI shows
+them first, rewritten from the registry's own state after every change (register, gate, publish,
+promote, rollback):
 
 - version description, first line (`headline`): `PUBLISHED to <path> at <time>`, `GATED, stays
   candidate: <reason>`, `NOT SHIPPABLE: validation fail ...`, or `candidate: ...not published`;
   the facts paragraph written at registration follows after a blank line;
 - registered model tags: `production` (`v3`), `production.path` (its directory on the volume),
   `candidate` (`v4`, `v4 gated`); the model description says the same in words and that
-  MLflow's "Promote model" button is not `pipeline promote`.
+  MLflow's "Promote model" button is not `pipeline promote`;
+- the training run's description (`mlflow.note.content`, the run page's "Description"), first line:
+  the version's headline (`agent v2: GATED, stays candidate: ...`), and tag `gate.verdict`; the
+  training's facts follow (`runs.start_training_run`);
+- the experiment's type (`mlflow.experimentKind` = `custom_model_development`): without it MLflow
+  3 infers a GenAI experiment and files the training runs under "Evaluation runs".
 
 Everything here is derived and idempotent: running it twice writes nothing new, and a crash
 between two writes is repaired by the next change. docs/registry.md, "`pipeline ui`".
@@ -38,6 +45,9 @@ HEADLINES = (
     "candidate: ",
 )
 MODEL_TAGS = ("production", "production.path", "candidate")
+NOTE_TAG = "mlflow.note.content"  # a run's description in the UI
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # MLflow 3: genai_development | custom_model_development
+EXPERIMENT_KIND = "custom_model_development"
 PROMOTE_NOTE = (
     "Ship a version with `pipeline promote {name} VERSION` (volume, fleet, aliases in one transaction), "
     "or move the `production` alias while `pipeline follow-alias` runs. MLflow's own 'Promote model' "
@@ -94,12 +104,56 @@ def describe(tags: dict[str, str], description: str | None) -> str:
 
 
 def refresh_version(cfg: ProjectConfig, name: str, version: int, client=None) -> None:
-    """Rewrite version `version`'s headline from its tags (nothing when it is already current)."""
+    """Rewrite version `version`'s headline from its tags (nothing when it is already current), and
+    its training run's (`refresh_run`)."""
     client = client or mlflow_for(cfg).MlflowClient()
     mv = client.get_model_version(name, str(version))
     text = describe(mv.tags or {}, mv.description)
     if text != (mv.description or ""):
         client.update_model_version(name, str(version), description=text)
+    if mv.run_id:
+        refresh_run(client, mv.run_id, f"{name} v{version}: {headline(mv.tags or {})}", mv.tags or {})
+
+
+def with_headline(note: str | None, line: str, prefixes: tuple[str, ...]) -> str:
+    """`note` with its first line replaced by `line` when that line starts with one of `prefixes`
+    (a headline written before), else with `line` put first; a blank line after it (no I/O)."""
+    lines = (note or "").splitlines()
+    if lines and lines[0].startswith(prefixes):
+        lines = lines[1:]
+    rest = "\n".join(lines).strip()
+    return (line + ("\n\n" + rest if rest else ""))[:4990]
+
+
+def refresh_run(client, run_id: str, line: str, version_tags: dict[str, str]) -> None:
+    """Put a version's headline first in its training run's description, and its gate verdict on the run.
+
+    A run trained in another store (a version registered from elsewhere) is left alone."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return
+    have = run.data.tags
+    prefix = line.split(": ", 1)[0] + ": "  # "agent v2: ", this version's own headline
+    note = with_headline(have.get(NOTE_TAG), line, (prefix,))  # the training's own line stays below it
+    if note != have.get(NOTE_TAG):
+        client.set_tag(run_id, NOTE_TAG, note)
+    verdict = version_tags.get(GATE_VERDICT_TAG)
+    if verdict and have.get(GATE_VERDICT_TAG) != verdict:
+        client.set_tag(run_id, GATE_VERDICT_TAG, verdict)
+
+
+# The first line a training run's description starts with while it trains and when it ends (runs.py).
+RUN_HEADLINES = ("TRAINING", "TRAINED", "FAILED", "KILLED")
+
+
+def file_experiment(client, experiment_id: str) -> None:
+    """Mark the experiment a model-development one (`EXPERIMENT_KIND_TAG`), once."""
+    exp = client.get_experiment(experiment_id)
+    if (exp.tags or {}).get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
 
 def model_summary(name: str, aliases: dict[str, int], tags_of: dict[int, dict[str, str]]) -> tuple[dict, str]:

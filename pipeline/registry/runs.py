@@ -6,7 +6,11 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.config import ProjectConfig
+from pipeline.figures import figure
+from pipeline.registry.presentation import NOTE_TAG, RUN_HEADLINES, file_experiment, with_headline
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
+
+SUMMARY_PREFIX = "summary."
 
 
 # -- training runs --------------------------------------------------------------------------
@@ -21,9 +25,10 @@ def start_training_run(cfg: ProjectConfig, run_name: str, params: dict, datasets
     from mlflow.data.sources import LocalArtifactDatasetSource
 
     client = mlflow.MlflowClient()
-    run = client.create_run(
-        ensure_experiment(cfg, mlflow), run_name=run_name, tags={"pipeline.stage": "train"}
-    )
+    experiment = ensure_experiment(cfg, mlflow)
+    file_experiment(client, experiment)
+    note = with_headline(_facts(params, datasets), "TRAINING (axolotl)", RUN_HEADLINES)
+    run = client.create_run(experiment, run_name=run_name, tags={NOTE_TAG: note, "pipeline.stage": "train"})
     rid = run.info.run_id
     flat = flatten_params(params)
     from mlflow.entities import Param
@@ -40,6 +45,35 @@ def start_training_run(cfg: ProjectConfig, run_name: str, params: dict, datasets
     return rid
 
 
+def _facts(params: dict, datasets: list[dict]) -> str:
+    """The run description's facts paragraph: what was trained on what (from the run's own params)."""
+    ax = params.get("axolotl") or {}
+    files = ", ".join(f"{d['name']} ({d['role']})" for d in datasets) or "none"
+    return (
+        f"LoRA r={ax.get('lora_r')} alpha={ax.get('lora_alpha')} on {ax.get('base_model')}; datasets {files}, "
+        f"fingerprint {str(params.get('dataset_fingerprint') or '')[:16]}; config sha256 "
+        f"{str(params.get('config_sha256') or '')[:16]}. Charts: per-step `loss`, `eval_loss`, `learning_rate`, "
+        f"`grad_norm` from the trainer; the run's figures as `{SUMMARY_PREFIX}*` (one value each)."
+    )
+
+
+def _outcome(metrics: dict, status: str) -> str:
+    if status == "KILLED":
+        return "KILLED: stopped by a signal; the next run with these inputs resumes from its last checkpoint"
+    if status == "FAILED":
+        return "FAILED: the trainer exited with an error or wrote no adapter (see train.log in the artifacts)"
+    loss = ", ".join(f"{k} {figure(metrics[k])}" for k in ("train_loss", "eval_loss") if k in metrics)
+    return f"TRAINED in {metrics.get('steps', '?')} steps" + (f": {loss}" if loss else "")
+
+
+def summary_key(key: str) -> str:
+    """The name a summary figure of `summarise` is logged under: `summary.<key>`, so that it is not
+    a point of the trainer's per-step curve of the same name (`eval_loss` at step 0 drew a vertical
+    segment, a final `train_loss` at step 0 made the loss look as if it rose). Dataset counts
+    (`dataset.*`) are their own names already."""
+    return key if key.startswith("dataset.") else SUMMARY_PREFIX + key
+
+
 def finish_training_run(
     cfg: ProjectConfig,
     run_id: str,
@@ -51,7 +85,8 @@ def finish_training_run(
     """Log train's summary (losses, `tokens_per_s`, `mfu`, runtime) and artifacts; end the run.
 
 
-    `metrics` is `pipeline.train.metrics.summarise` output: losses are plain numbers, `tokens_per_s` is
+    `metrics` is `pipeline.train.metrics.summarise` output, logged as `summary.<key>` at the last step
+    (`summary_key`); the run's description says how it ended (`TRAINED ...`, `FAILED`, `KILLED`). Losses are plain numbers, `tokens_per_s` is
     tokens per second of training wall time, `mfu` a fraction (0-1). `mfu` exists only when the
     accelerator's peak is known (`train.peak_tflops` or a GPU in `train.PEAK_TFLOPS`); without it
     the run gets the tag `mfu.unavailable` saying why, so the UI does not just lack a number.
@@ -62,9 +97,13 @@ def finish_training_run(
     """
     mlflow = mlflow_for(cfg)
     client = mlflow.MlflowClient()
+    step = int(metrics.get("steps") or 0)  # the figures are the run's at its end
     for k, v in metrics.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
-            client.log_metric(run_id, k, float(v))
+            client.log_metric(run_id, summary_key(k), float(v), step=step)
+    end = status or ("FINISHED" if ok else "FAILED")
+    note = client.get_run(run_id).data.tags.get(NOTE_TAG)
+    client.set_tag(run_id, NOTE_TAG, with_headline(note, _outcome(metrics, end), RUN_HEADLINES))
     if ok and "mfu" not in metrics:
         client.set_tag(
             run_id, "mfu.unavailable", "no accelerator peak known: set train.peak_tflops (TFLOP/s per device)"
@@ -72,10 +111,12 @@ def finish_training_run(
     for a in artifacts:
         if Path(a).exists():
             client.log_artifact(run_id, str(a))
-    client.set_terminated(run_id, status or ("FINISHED" if ok else "FAILED"))
+    client.set_terminated(run_id, end)
 
 
 def reopen_training_run(cfg: ProjectConfig, run_id: str) -> None:
     """Mark an interrupted training run RUNNING again before it resumes (same run, continued metrics)."""
     client = mlflow_for(cfg).MlflowClient()
     client.update_run(run_id, status="RUNNING")
+    note = client.get_run(run_id).data.tags.get(NOTE_TAG)
+    client.set_tag(run_id, NOTE_TAG, with_headline(note, "TRAINING (axolotl, resumed)", RUN_HEADLINES))

@@ -14,6 +14,7 @@ from pipeline.artifacts.names import check_name
 from pipeline.config import ProjectConfig
 from pipeline.errors import UsageError
 from pipeline.interrupt import shielded
+from pipeline.registry.presentation import file_experiment
 from pipeline.registry.presentation import refresh as refresh_ui
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
 from pipeline.registry.tags import (  # noqa: F401 - the registry's names, also as registry.versions.X
@@ -198,13 +199,15 @@ def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, ma
             run_id = None  # trained against another store
     tags = version_tags(cfg, manifest, report, run_id)
     params = flatten_params(manifest.adapter.model_dump(exclude_unset=True))
+    experiment = ensure_experiment(cfg, mlflow)
+    file_experiment(client, experiment)
     model = mlflow.initialize_logged_model(
         name=name,
         source_run_id=run_id,
         tags=tags,
         params=params,
         model_type=MODEL_TYPE,
-        experiment_id=ensure_experiment(cfg, mlflow),
+        experiment_id=experiment,
     )
     try:
         client.log_model_artifacts(model.model_id, str(adapter_dir))
@@ -217,10 +220,11 @@ def _register(cfg: ProjectConfig, adapter_dir: Path, name: str, report: dict, ma
                         if "loss" in k
                         else None
                     )
-                    client.log_metric(
+                    client.log_metric(  # `final_<k>`: not a point of the trainer's per-step curve `k`
                         run_id,
-                        k,
+                        f"final_{k}",
                         float(v),
+                        step=int(manifest.metrics.steps or 0),
                         model_id=model.model_id,
                         dataset_name=Path(ds.path).name if ds else None,
                         dataset_digest=(ds.sha256 or "")[:36] if ds else None,
@@ -327,6 +331,21 @@ def record_gate(
     for k, v in tags.items():
         client.set_model_version_tag(name, str(version), k, v)
     refresh_ui(cfg, name, [version])
+
+
+def same_weights(cfg: ProjectConfig, name: str, weights_sha256: str):
+    """The newest version of `name` whose weights have sha256 `weights_sha256` (a ModelVersion), or None.
+
+    None also when `name` is not registered yet or `weights_sha256` is empty. Reads the versions'
+    `weights_sha256` tags (set at registration), so it costs one search, no download.
+    """
+    if not weights_sha256 or not model_exists(cfg, name):
+        return None
+    client = mlflow_for(cfg).MlflowClient()
+    found = client.search_model_versions(
+        f"name='{name}' and tags.`weights_sha256` = '{weights_sha256}'", max_results=1000
+    )
+    return max(found, key=lambda v: int(v.version), default=None)
 
 
 def model_exists(cfg: ProjectConfig, name: str) -> bool:

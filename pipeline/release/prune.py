@@ -68,22 +68,38 @@ def _unload(cfg: ProjectConfig, name: str, doomed: list[int], force: bool) -> No
         )
 
 
-def prune(cfg: ProjectConfig, name: str, keep: int, force: bool = False) -> list[Path]:
+def _doomed(cfg: ProjectConfig, name: str, keep: int) -> list[int]:
+    protected = protected_versions(cfg, name)
+    versions = version_dirs(Path(cfg.volume.path), name).get(name, [])
+    return [v for v in versions[keep:] if v not in protected]
+
+
+def prune_plan(cfg: ProjectConfig, name: str, keep: int) -> list[int]:
+    """The versions `prune(cfg, name, keep)` would delete now, newest first; reads only (a dry run, or
+    what to ask the operator). Raises UsageError as `prune` does."""
+    check_name(name)
+    if keep < 1:
+        raise UsageError("--keep must be at least 1")
+    return _doomed(cfg, name, keep)
+
+
+def prune(
+    cfg: ProjectConfig, name: str, keep: int, force: bool = False, only: set[int] | None = None
+) -> list[Path]:
     """Delete `<volume>/<NAME>-v<K>` directories beyond the newest `keep`, never the desired or production version.
 
     Runs as a transaction on `name` (module doc). Unloads the pruned version names from the
     instances first. Raises UsageError (`keep` < 1, bad name), FleetError (an instance still
     serves a version to prune or is unreachable, unless `force`: nothing deleted), LockedError,
-    VolumeError. Returns the deleted directories.
+    VolumeError. Returns the deleted directories. `only`: delete no version outside this set (what
+    the operator was shown and confirmed, `prune_plan`), even if more became prunable meanwhile.
     """
     check_name(name)
     if keep < 1:
         raise UsageError("--keep must be at least 1")
     vol = Path(cfg.volume.path)
     with adapter_transaction(cfg, name), fleet_lock(vol, cfg.fleet.lock_timeout_s):
-        protected = protected_versions(cfg, name)
-        versions = version_dirs(vol, name).get(name, [])
-        doomed = [v for v in versions[keep:] if v not in protected]
+        doomed = [v for v in _doomed(cfg, name, keep) if only is None or v in only]
         if not doomed:
             return []
         state = load_state(vol)

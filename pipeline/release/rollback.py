@@ -9,7 +9,7 @@ from pipeline.artifacts.volume import verify_version_dir, version_dir
 from pipeline.config import ProjectConfig
 from pipeline.errors import LockedError, UsageError
 from pipeline.fleet.instances import InstanceReport
-from pipeline.fleet.state import fleet_lock, load_state
+from pipeline.fleet.state import FleetState, fleet_lock, load_state
 from pipeline.release.origin import expected_origin, origin_problem
 from pipeline.release.publish import PublishError
 from pipeline.release.transaction import (
@@ -32,6 +32,38 @@ class RolledBack(tuple):
         obj = super().__new__(cls, (from_version, to_version, reports))
         obj.notes = notes
         return obj
+
+
+def rollback_target(state: FleetState, name: str, to: int | None, cur: int, prev: int | None) -> int:
+    """The version a rollback from `cur` goes to: `to`, else the `previous` alias, else the version desired
+    before the current one. UsageError when there is none."""
+    target = to
+    if target is None:
+        target = prev if prev not in (None, cur) else state.previous(name)
+    if target is None:
+        raise UsageError(f"{name}: no earlier version to roll back to; pass --to N")
+    return target
+
+
+def check_rollback_dir(cfg: ProjectConfig, mv) -> None:
+    """The version's directory is on the volume, matches its manifest and came from this registry entry.
+
+    Raises UsageError (not on the volume: publish it instead), PublishError (tampered, or another origin)."""
+    name, target = mv.name, int(mv.version)
+    d = version_dir(cfg.volume.path, name, target)
+    if not d.is_dir():
+        raise UsageError(
+            f"{d}: not on the volume (pruned?); publish it: pipeline publish {name} --version {target}"
+        )
+    problems = verify_version_dir(d, cache=False)  # before any instance is told to load it
+    if problems:
+        raise PublishError(
+            f"{d} differs from its manifest (tampered?); nothing changed. Move it away and publish "
+            f"v{target} again:\n  " + "\n  ".join(problems)
+        )
+    why = origin_problem(read_adapter_manifest(d), expected_origin(cfg, mv), str(d))
+    if why:
+        raise PublishError(why)
 
 
 def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> RolledBack:
@@ -73,30 +105,13 @@ def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> RolledBack
                 f"(another rollback or publish); nothing changed. Run it again to roll back from v{prod}, "
                 f"or give --to N"
             )
-        target = to
-        if target is None:
-            target = prev if prev not in (None, cur) else state.previous(name)
-        if target is None:
-            raise UsageError(f"{name}: no earlier version to roll back to; pass --to N")
+        target = rollback_target(state, name, to, cur, prev)
         mv = registry.resolve_version(cfg, name, version=target)  # UsageError listing the versions
         if prod == target and state.version(name) == target:
             return RolledBack(
                 cur, target, [], [*tx.notes, f"{name} v{target} is already production and desired"]
             )
-        d = version_dir(vol, name, target)
-        if not d.is_dir():
-            raise UsageError(
-                f"{d}: not on the volume (pruned?); publish it: pipeline publish {name} --version {target}"
-            )
-        problems = verify_version_dir(d, cache=False)  # before any instance is told to load it
-        if problems:
-            raise PublishError(
-                f"{d} differs from its manifest (tampered?); nothing changed. Move it away and publish "
-                f"v{target} again:\n  " + "\n  ".join(problems)
-            )
-        why = origin_problem(read_adapter_manifest(d), expected_origin(cfg, mv), str(d))
-        if why:
-            raise PublishError(why)
+        check_rollback_dir(cfg, mv)
         intent = Intent(
             op="rollback",
             name=name,

@@ -85,7 +85,7 @@ def _merged(tags: dict) -> dict | None:
 def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> dict:
     """Everything `pipeline status` shows, as JSON-able data (numbers as numbers).
 
-    Returns {"tracking_uri", "reader", "project", "store_exists", "models": [{"name", "aliases":
+    Returns {"tracking_uri", "reader", "project", "store_exists", "volume_path", "models": [{"name", "aliases":
     {alias: version}, "versions": [{"version", "aliases", "verdict", "gate": None | {"verdict",
     "reason"}, "eval_loss", "train_loss", "tokens_per_s", "weights_sha256", "published_path",
     "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}],
@@ -153,6 +153,7 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
         "reader": backend(cfg),
         "project": str(cfg.source or cfg.root) if cfg.found else None,
         "store_exists": cfg.store_exists(),
+        "volume_path": str(cfg.volume.path),
         "models": models,
         "fleet": fleet_rows,
         "fleet_error": fleet_error,

@@ -388,3 +388,19 @@ def test_a_partial_effect_records_no_retention():
     res.effect = Effect(40, 2.0, 1.9, 0.95, 0.8, 0.3, 0.4, engine_unusable=2)
     tags = summary_tags(res)
     assert "canary.effect_retention" not in tags and tags["canary.effect_engine_unusable"] == "2"
+
+
+def test_a_speed_just_below_its_floor_reads_below_it():
+    """Sibling of issue 41.8: a speed ratio of 0.796 against canary.min_speed_ratio 0.8 failed with "decode
+    speed with the adapter is 0.80x the base's ..., below canary.min_speed_ratio 0.8"."""
+    from pipeline.config import ProjectConfig
+
+    res = _result(1.0, 0.0, 1.0, 0.0, quantized=False)
+    res.speed_ratio = 0.79612
+    c = ProjectConfig().canary
+    c.min_speed_ratio = 0.8
+    judge(c, res, [], [])
+    (msg,) = [f.message for f in res.findings if f.id == "canary.speed"]
+    assert msg.startswith("decode speed with the adapter is 0.7961x the base's") and msg.endswith(
+        "below canary.min_speed_ratio 0.8"
+    ), msg

@@ -162,3 +162,41 @@ def test_canary_prints_one_plain_line_per_run(capsys):
     render(res, Output.tsv, no_headers=True)
     rows = [ln.split("\t") for ln in capsys.readouterr().out.splitlines()]
     assert [r[0] for r in rows] == ["base", "adapter"] and rows[1][1].startswith("0.980")
+
+
+def test_published_is_relative_in_the_table_and_absolute_only_in_wide(cfg, monkeypatch):
+    """Issue 41.8: PUBLISHED printed `/tmp/.../adapters/volume/agent-tools-v1`, so a row wrapped at 80
+    columns. The table shows it relative (to the working directory when the volume is below it, else to
+    the volume); `-o wide`, tsv and JSON keep the absolute path."""
+    absolute = str(cfg.volume.path / "agent-tools-v1")
+    r = cli(cfg, "status", "agent-tools")
+    header, _, v1 = (ln.split() for ln in r.stdout.splitlines())
+    assert dict(zip(header, v1, strict=True))["PUBLISHED"] == "agent-tools-v1"
+    assert absolute not in r.stdout
+    monkeypatch.chdir(cfg.root)  # the README's first day: commands run in the project
+    r = cli(cfg, "status", "agent-tools")
+    header, _, v1 = (ln.split() for ln in r.stdout.splitlines())
+    assert dict(zip(header, v1, strict=True))["PUBLISHED"] == str(
+        cfg.volume.path.relative_to(cfg.root) / "agent-tools-v1"
+    )
+    wide = cli(cfg, "status", "agent-tools", "-o", "wide").stdout.splitlines()
+    header, _, v1 = (ln.split() for ln in wide)
+    assert dict(zip(header, v1, strict=True))["PUBLISHED_PATH"] == absolute
+    doc = json.loads(cli(cfg, "status", "agent-tools", "--json").stdout)
+    assert doc["models"][0]["versions"][1]["published_path"] == absolute
+
+
+def test_fleet_status_takes_a_name(cfg):
+    """Issue 41.8: `fleet status NAME` was refused ("Got unexpected extra argument"), while `status NAME`
+    takes one. The rows are NAME's (and the instances' own), and so is the exit code."""
+    from pipeline import registry
+
+    registry.set_alias(cfg, "b", "production", 1)  # b drifts: production set, no desired state
+    try:
+        r = cli(cfg, "fleet", "status", "b")
+        assert r.exit_code == 4 and [ln.split()[2] for ln in r.stdout.splitlines()[1:]] == ["b"], r.output
+        r = cli(cfg, "fleet", "status", "agent-tools")
+        assert r.exit_code == 0 and r.stdout == "", r.output  # another adapter's drift is not its own
+        assert cli(cfg, "fleet", "status", "Bad_Name").exit_code == 2
+    finally:
+        registry.client(cfg).delete_registered_model_alias("b", "production")

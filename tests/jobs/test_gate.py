@@ -47,10 +47,25 @@ def test_the_reason_states_the_exact_values_it_compared():
     to 4 digits): both numbers come from the exact tags now, and say the difference."""
     why = eval_loss_gate(tags(6.887712478637695), tags(6.81234), 0.05, 3)
     assert why == (
-        "eval_loss 6.887712478637695 is worse than production v3's 6.81234 by 0.0753725, "
-        "more than run.eval_loss_margin 0.05"
+        "eval_loss 6.888 is worse than production v3's 6.812 by 0.07537, more than run.eval_loss_margin 0.05"
     )
     assert eval_loss_gate(tags(6.887712478637695), tags(6.81234), 0.08, 3) is None
+
+
+def test_the_reason_prints_figures_not_float_reprs():
+    """Issue 41.8: a gate reason printed `6.57420539855957`. Figures have 4 significant digits, more only
+    where two compared values would otherwise print alike (the reason never shows a loss worse than an
+    equal-looking one), and the margin never reads as equal to the difference it was exceeded by."""
+    why = eval_loss_gate(tags(6.57420539855957), tags(6.5), 0.05, 1)
+    assert (
+        why
+        == "eval_loss 6.574 is worse than production v1's 6.5 by 0.07421, more than run.eval_loss_margin 0.05"
+    )
+    close = eval_loss_gate(tags(6.57420539855957), tags(6.57410001), 0.0, 1)
+    assert "eval_loss 6.5742 is worse than production v1's 6.5741 by 0.0001054, more than" in close
+    just = eval_loss_gate(tags(6.0500001), tags(6.0), 0.05, 1)
+    assert "by 0.0500001, more than run.eval_loss_margin 0.05" in just, just
+    assert "6.57420539855957" not in eval_loss_gate({}, tags(6.57420539855957), 0.05, 1)
 
 
 def test_losses_on_different_evaluation_sets_are_not_compared():
@@ -124,7 +139,10 @@ def test_the_canary_floor_compares_the_exact_ratio(ratio, passes):
     if passes:
         gate(cfg, mv)
     else:
-        with pytest.raises(CheckFailed, match="speed_ratio 0.800 is below canary.min_speed_ratio 0.8"):
+        # the figure shows the digits that put it below the floor (issue 41.8: it read "0.800 is below 0.8")
+        with pytest.raises(
+            CheckFailed, match=r"speed_ratio 0\.7999\d* is below canary.min_speed_ratio 0\.8$"
+        ):
             gate(cfg, mv)
 
 
@@ -135,7 +153,7 @@ def test_the_canary_floor_compares_the_exact_ratio(ratio, passes):
         ("min_speed_ratio", "speed_ratio", "nan", "has no speed_ratio"),  # nan < floor is False: it passed
         ("min_acceptance_ratio", "acceptance_ratio", None, "has no acceptance_ratio"),
         ("min_effect_retention", "effect_retention", None, "has no effect_retention"),
-        ("min_effect_retention", "effect_retention", "0.4", "effect_retention 0.400 is below"),
+        ("min_effect_retention", "effect_retention", "0.4", "effect_retention 0.4 is below"),
     ],
 )
 def test_publish_gate_floor_needs_a_recorded_figure(floor, tag, value, words):
@@ -157,3 +175,36 @@ def test_publish_gate_floor_needs_a_recorded_figure(floor, tag, value, words):
     setattr(cfg.canary, floor, 0.5)
     with pytest.raises(CheckFailed, match=words):
         gate(cfg, mv)
+
+
+def test_the_skip_names_the_version_in_production():
+    """Issue 41.6: `run` skipped with "version 2 was trained from them" while v1 was in production after a
+    rollback: the reason names the version in production, and how to ship the skipped one."""
+    from pipeline.jobs.run import skip_reason
+
+    assert (
+        skip_reason("agent", 2, 2)
+        == "inputs unchanged: v2, in production, was trained from them (--force retrains)"
+    )
+    assert skip_reason("agent", 2, 1) == (
+        "inputs unchanged: v2 was trained from them; v1 is in production (`pipeline promote agent 2` ships it "
+        "again; --force retrains)"
+    )
+    assert "nothing is in production" in skip_reason("agent", 2, None)
+
+
+def test_a_canary_floor_never_reads_as_met():
+    """Sibling of issue 41.8 in publish's canary gate: a speed ratio of 0.7996 against a floor of 0.8 was
+    refused as "canary speed_ratio 0.800 is below canary.min_speed_ratio 0.8"."""
+    from types import SimpleNamespace
+
+    from pipeline.canary.record import TAG
+    from pipeline.canary.record import gate as canary_gate
+    from pipeline.errors import CheckFailed
+
+    cfg = ProjectConfig()
+    cfg = cfg.model_copy(update={"canary": cfg.canary.model_copy(update={"min_speed_ratio": 0.8})})
+    mv = SimpleNamespace(name="a", version=2, tags={TAG + "verdict": "pass", TAG + "speed_ratio": "0.7996"})
+    with pytest.raises(CheckFailed) as e:
+        canary_gate(cfg, mv)
+    assert "canary speed_ratio 0.7996 is below canary.min_speed_ratio 0.8" in str(e.value)

@@ -138,3 +138,56 @@ def test_a_publish_in_the_same_second_as_a_prune_is_published():
         is None
     )
     assert published_path({"pruned.time": same}) is None
+
+
+def test_a_training_run_reads_right_in_the_ui(registry_project, tiny_base, tmp_path):
+    """Issue 41.7: the run's summary figures were logged at step 0 under the trainer's own keys (`eval_loss`
+    drew a vertical segment at step 0, `train_loss` seemed to rise); the experiment was filed as GenAI
+    ("Evaluation runs"); the run had no description and its page never said it was gated. Siblings: the
+    figures registration links to the LoggedModel, and a killed run's description."""
+    from pipeline.registry.presentation import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG
+    from tests.support.registry_support import adapter_with_manifest
+
+    cfg = registry_project
+    name = f"run-{uuid.uuid4().hex[:6]}"
+    params = {
+        "axolotl": {"lora_r": 8, "lora_alpha": 16, "base_model": "tiny"},
+        "dataset_fingerprint": "f" * 64,
+    }
+    rid = registry.start_training_run(cfg, name, params, [])
+    c = registry.client(cfg)
+    run = c.get_run(rid)
+    assert c.get_experiment(run.info.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    assert run.data.tags[NOTE_TAG].startswith("TRAINING (axolotl)\n\nLoRA r=8 alpha=16 on tiny")
+    for step, loss in ((1, 7.0), (2, 6.5), (3, 6.2)):  # the trainer's own per-step curves
+        c.log_metric(rid, "loss", loss, step=step)
+        c.log_metric(rid, "eval_loss", loss + 0.1, step=step)
+    summary = {"train_loss": 6.2, "eval_loss": 6.30000001, "tokens_per_s": 1234.5, "steps": 3}
+    registry.finish_training_run(cfg, rid, {**summary, "dataset.train.kept": 120}, [], ok=True)
+    assert [(m.step, m.value) for m in c.get_metric_history(rid, "eval_loss")] == [
+        (1, 7.1),
+        (2, 6.6),
+        (3, 6.3),
+    ]
+    assert c.get_metric_history(rid, "train_loss") == []
+    assert [(m.step, m.value) for m in c.get_metric_history(rid, "summary.eval_loss")] == [(3, 6.30000001)]
+    run = c.get_run(rid)
+    assert {"summary.train_loss", "summary.tokens_per_s", "dataset.train.kept"} <= set(run.data.metrics)
+    assert run.data.tags[NOTE_TAG].startswith("TRAINED in 3 steps: train_loss 6.2, eval_loss 6.3\n\nLoRA r=8")
+
+    # registered from this run, then gated: the run's page says so first, and carries the verdict
+    adapter = adapter_with_manifest(tiny_base, tmp_path / "a", seed=5, run_id=rid, eval_loss=6.3)
+    reg = register(cfg, adapter, tiny_base, name)
+    assert [(m.step, m.value) for m in c.get_metric_history(rid, "final_eval_loss")] == [(0, 6.3)]
+    assert "eval_loss" not in {m.key for m in c.get_logged_model(reg.model_id).metrics}
+    registry.record_gate(cfg, name, reg.version, "gated", "eval_loss 6.3 is worse than production v1's 6.2")
+    note = c.get_run(rid).data.tags[NOTE_TAG].splitlines()
+    assert (
+        note[0]
+        == f"{name} v{reg.version}: GATED, stays candidate: eval_loss 6.3 is worse than production v1's 6.2"
+    )
+    assert note[2].startswith("TRAINED in 3 steps") and c.get_run(rid).data.tags["gate.verdict"] == "gated"
+
+    killed = registry.start_training_run(cfg, name + "-k", params, [])
+    registry.finish_training_run(cfg, killed, {}, [], ok=False, status="KILLED")
+    assert c.get_run(killed).data.tags[NOTE_TAG].startswith("KILLED: stopped by a signal")

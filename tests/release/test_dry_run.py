@@ -1,0 +1,188 @@
+"""Issue 41.5: a preview before every change. `--dry-run` prints the plan (JSON with `--json`), changes
+nothing and exits 0; `fleet prune` asks on a terminal unless `--yes`, and never in a non-interactive run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.release.publish import publish
+from tests.support import release_support
+from tests.support.helpers import REPO
+from tests.support.release_support import new_project, register_versions, snapshot
+
+release_adapters = release_support.release_adapters
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory, release_adapters):
+    """agent v1..v4 registered, v1, v2, v3 published in that order (v3 production, v2 previous); v4 candidate."""
+    cfg = new_project(tmp_path_factory.mktemp("dry-run"))
+    register_versions(cfg, "agent", release_adapters, 3)
+    for v in (1, 2, 3):
+        publish(cfg, "agent", version=v)
+    from pipeline import registry
+
+    # v4: the same weights as v1, registered on purpose (the library call takes no duplicate check)
+    registry.register_adapter(cfg, release_adapters[0][0], "agent", release_adapters[0][1])
+    return cfg
+
+
+def cli(cfg, *args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"PIPELINE_CONFIG": str(cfg.source)})
+
+
+def dirs(cfg) -> list[str]:
+    return sorted(p.name for p in cfg.volume.path.iterdir() if p.name.startswith("agent-v"))
+
+
+def test_prune_dry_run_lists_what_it_would_delete_and_deletes_nothing(cfg):
+    """The failing input: `fleet prune agent --keep 1` deleted v1 and v2 with no preview."""
+    before = dirs(cfg)
+    r = cli(cfg, "fleet", "prune", "agent", "--keep", "1", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == [
+        f"would remove {cfg.volume.path}/agent-v2",
+        f"would remove {cfg.volume.path}/agent-v1",
+        "(dry run: nothing changed)",
+    ]
+    plan = json.loads(cli(cfg, "fleet", "prune", "agent", "--keep", "1", "--dry-run", "--json").stdout)
+    assert plan["dry_run"] is True and plan["versions"] == [2, 1]
+    assert dirs(cfg) == before == ["agent-v1", "agent-v2", "agent-v3"]
+
+
+def test_publish_promote_rollback_dry_runs_print_the_plan_and_change_nothing(cfg):
+    before = (snapshot(cfg, "agent"), dirs(cfg))
+    r = cli(cfg, "publish", "agent", "--version", "4", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert f"publish agent v4: would write {cfg.volume.path}/agent-v4" in r.stdout
+    assert "alias production v3 -> v4, previous v2 -> v3; desired v3 -> v4" in r.stdout
+    assert r.stdout.rstrip().endswith("(dry run: nothing changed)")
+    plan = json.loads(cli(cfg, "promote", "agent", "4", "--dry-run", "--json").stdout)
+    assert (plan["action"], plan["version"], plan["write"]) == ("promote", 4, True)
+    assert plan["production"] == {"from": 3, "to": 4} and plan["previous"] == {"from": 2, "to": 3}
+    # sibling: a version already on the volume is verified, not rewritten
+    plan = json.loads(cli(cfg, "publish", "agent", "--version", "1", "--dry-run", "--json").stdout)
+    assert plan["write"] is False and plan["path"] == str(cfg.volume.path / "agent-v1")
+    r = cli(cfg, "rollback", "agent", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert (
+        "would roll back agent: desired version v3 -> v2; alias production v3 -> v2, previous -> v3"
+        in r.stdout
+    )
+    plan = json.loads(cli(cfg, "rollback", "agent", "--to", "1", "--dry-run", "--json").stdout)
+    assert (plan["from_version"], plan["to_version"], plan["changes"]) == (3, 1, True)
+    assert (snapshot(cfg, "agent"), dirs(cfg)) == before
+
+
+def test_a_dry_run_refuses_what_the_command_would_refuse(cfg):
+    """A plan is not a promise the command breaks: the same errors, with the same exit codes."""
+    r = cli(cfg, "publish", "agent", "--version", "9", "--dry-run")
+    assert r.exit_code == 2 and "version 9 not found" in r.output
+    r = cli(cfg, "rollback", "agent", "--to", "9", "--dry-run")
+    assert r.exit_code == 2 and "version 9 not found" in r.output
+
+
+def test_register_refuses_weights_an_existing_version_holds(cfg, release_adapters):
+    """Issue 41.6: the same weights registered twice became two versions, silently."""
+    adapter = release_adapters[1][0]  # v2's weights
+    r = cli(cfg, "register", adapter, "--name", "agent")
+    assert r.exit_code == 2, r.output
+    assert (
+        "these weights" in r.output
+        and "are already version 2 (alias previous); nothing registered" in r.output
+    )
+    assert "--allow-duplicate" in r.output
+    # sibling: the newest of several versions holding them is named (v1 and v4 hold release_adapters[0])
+    r = cli(cfg, "register", release_adapters[0][0], "--name", "agent", "--json")
+    assert r.exit_code == 2 and "already version 4" in json.loads(r.stdout)["error"]
+    # sibling: a dry run says it would be a duplicate and what number it would get, and registers nothing
+    r = cli(cfg, "register", adapter, "--name", "agent", "--allow-duplicate", "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert (plan["version"], plan["duplicate_of"], plan["verdict"]) == (5, 2, "pass")
+    from pipeline import registry
+
+    assert [int(v.version) for v in registry.versions(cfg, "agent")] == [4, 3, 2, 1]
+    # another model may hold the same weights: the check is per model
+    r = cli(cfg, "register", adapter, "--name", "other", "--dry-run")
+    assert r.exit_code == 0 and "would register" in r.stdout and "other version 1" in r.stdout, r.output
+
+
+def test_fleet_sync_dry_run_without_instances(cfg):
+    r = cli(cfg, "fleet", "sync", "--dry-run")
+    assert r.exit_code == 0 and "nothing to do" in r.stdout, r.output
+
+
+def _prune_on_a_terminal(cfg, answer: bytes) -> tuple[int, str]:
+    """`pipeline fleet prune agent --keep 2` with its stdin and stderr on a pseudo-terminal; types `answer`."""
+    main, sub = pty.openpty()
+    env = dict(os.environ, PIPELINE_CONFIG=str(cfg.source), PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "fleet", "prune", "agent", "--keep", "2"],
+        stdin=sub,
+        stderr=sub,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    os.close(sub)
+    seen, deadline = b"", time.monotonic() + 120
+    while b"[y/N]" not in seen and time.monotonic() < deadline and p.poll() is None:
+        if select.select([main], [], [], 1)[0]:
+            seen += os.read(main, 4096)
+    os.write(main, answer)
+    out, _ = p.communicate(timeout=120)
+    os.close(main)
+    return p.returncode, seen.decode() + out.decode()
+
+
+def test_prune_asks_on_a_terminal_and_not_in_a_pipe(cfg):
+    before = dirs(cfg)
+    code, text = _prune_on_a_terminal(cfg, b"n\n")
+    assert code == 0 and "would remove" in text and "agent-v1" in text, text
+    assert "delete 1 version directory of agent? [y/N]" in text and "nothing deleted" in text
+    assert dirs(cfg) == before
+    # no terminal (CliRunner: stdin is not a tty): it does not ask, and says what it did
+    r = cli(cfg, "fleet", "prune", "agent", "--keep", "2")
+    assert r.exit_code == 0 and r.stdout.strip() == f"removed {cfg.volume.path}/agent-v1", r.output
+    assert dirs(cfg) == ["agent-v2", "agent-v3"]
+
+
+def test_run_dry_run_says_skip_ship_or_train(cfg, tiny_base, monkeypatch):
+    """Sibling: `pipeline run` (the nightly job) had no preview either. Its dry run takes the same
+    decision from the files' fingerprint, takes no lock and writes nothing."""
+    from pipeline import registry
+    from pipeline.artifacts.fingerprint import training_inputs
+    from pipeline.train.config import load_training_config
+    from pipeline.train.dataset import files_fingerprint
+
+    monkeypatch.chdir(REPO)  # the config's dataset paths are relative to the repo
+    config = REPO / "axolotl_configs" / "tiny-cpu.yml"
+    args = ["run", config, "--name", "agent", "--set", f"base_model={tiny_base}", "--dry-run", "--json"]
+    tc = load_training_config(config, [f"base_model={tiny_base}"])
+    quick = files_fingerprint(tc.dataset_paths("datasets"), tc.dataset_paths("test_datasets"))
+    fp = training_inputs(quick, tc.data)["fingerprint"]
+    plan = json.loads(cli(cfg, *args).stdout)
+    assert (plan["plan"], plan["version"], plan["production"]) == ("train", 5, 3), plan
+    registry.set_version_tags(cfg, "agent", 2, {registry.FINGERPRINT_TAG: fp})  # v2 shipped, rolled past
+    try:
+        r = cli(cfg, *args[:-1])
+        assert r.exit_code == 0, r.output
+        assert (
+            "agent: would skip: inputs unchanged: v2 was trained from them; v3 is in production" in r.stdout
+        )
+        assert json.loads(cli(cfg, *args, "--force").stdout)["plan"] == "train"
+    finally:
+        registry.client(cfg).delete_model_version_tag("agent", "2", registry.FINGERPRINT_TAG)
+    assert not (cfg.state_dir / "locks" / "agent.lock").exists() and not cfg.train.runs_dir.exists()
+    assert cli(cfg, "run", config, "--json").exit_code == 2  # --json is for the dry run
