@@ -351,7 +351,7 @@ def project_config(store: str = "any", what: str | None = None):
             "(or MLFLOW_TRACKING_URI for a registry server)"
         )
     if store == "existing" and not cfg.store_exists():
-        from pipeline.registry.store import check_store
+        from pipeline.registry.store import check_store  # lazy: only when no store is found
 
         check_store(cfg, write=False)  # a store this project created that is gone says so (issue 40)
         raise UsageError(
