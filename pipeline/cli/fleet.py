@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, exit_as, finite, log, project_config
+from pipeline.cli._common import JsonOption, adapter_name_read, exit_as, finite, log, project_config
 from pipeline.cli.render import NoHeadersOption, Output, OutputOption, output_format, print_fleet
 from pipeline.errors import FleetError, LockedError
 from pipeline.fleet.modes import loading_mode, resolve_served_name
@@ -62,7 +62,7 @@ def status(as_json: JsonOption = False, output: OutputOption = None, no_headers:
 
 @app.command("resolve")
 def resolve(
-    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name_read)],
     as_json: JsonOption = False,
 ):
     """The model id clients send for adapter NAME now (e.g. NAME-v3), from the desired state."""
@@ -129,7 +129,7 @@ def _sync(watch: bool, interval: float, as_json: bool, follow_alias: str | None)
 
 @app.command("prune")
 def prune(
-    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name_read)],
     keep: Annotated[int, typer.Option("--keep", min=1, help="newest version directories to keep")] = 2,
     force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
 ):

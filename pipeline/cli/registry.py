@@ -9,7 +9,16 @@ from typing import Annotated
 import typer
 
 from pipeline import registry
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, err, exit_as, log, project_config
+from pipeline.cli._common import (
+    JsonOption,
+    adapter_name,
+    adapter_name_read,
+    emit_json,
+    err,
+    exit_as,
+    log,
+    project_config,
+)
 from pipeline.cli.render import NoHeadersOption, OutputOption, output_format, print_status
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.registry.read import read_models
@@ -73,7 +82,7 @@ def register(
 @app.command()
 def status(
     name: Annotated[
-        str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name)
+        str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name_read)
     ] = None,
     as_json: JsonOption = False,
     output: OutputOption = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -9,6 +10,8 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from pipeline.artifacts.modes import FILE_MODE, make_dir
+from pipeline.artifacts.names import check_name
 from pipeline.cli._common import adapter_name, project_config
 from pipeline.errors import UsageError
 from pipeline.jobs.schedule import ScheduleSpec, emit
@@ -21,6 +24,19 @@ def _project_yaml() -> Path | None:
     """This project's pipeline.yaml (`--config`, $PIPELINE_CONFIG, or found up the tree), if any."""
     cfg = project_config()
     return cfg.source if cfg.source and cfg.source.is_file() else None
+
+
+def _check_name_for_job(name: str, job_yaml: Path | None) -> None:
+    """The job reads its own pipeline.yaml (`--pipeline-yaml`, or `<workdir>/pipeline.yaml` here): the
+    name must not take a name its fleet serves the base model under either (the callback checked this
+    project's). A unit emitted with one would exit 2 on every run."""
+    if job_yaml is None or not job_yaml.is_file():
+        return
+    from pipeline.config import load_config  # lazy: pydantic-settings (~0.4 s), as `project_config` loads it
+
+    check_name(
+        name, f"adapter name (for the job's {job_yaml})", served=load_config(job_yaml).served_base_names
+    )
 
 
 class Kind(StrEnum):
@@ -62,6 +78,7 @@ def emit_cmd(
     The CronJob comes with its ConfigMap (pipeline.yaml) and a header naming the image, Secret
     keys and volume claims it needs; systemd and Slurm run the absolute path of `pipeline`."""
     text = ""
+    _check_name_for_job(name, pipeline_yaml if kind is Kind.cronjob else Path(workdir) / "pipeline.yaml")
     if kind is Kind.cronjob:
         src = pipeline_yaml or _project_yaml()
         if src is not None:
@@ -97,8 +114,9 @@ def emit_cmd(
         raise UsageError(str(e)) from None
     for fname, text in files.items():
         if out:
-            out.mkdir(parents=True, exist_ok=True)
+            make_dir(out)  # 0755 and 0644 whatever the umask: nobody else may edit what a scheduler runs
             (out / fname).write_text(text)
+            os.chmod(out / fname, FILE_MODE)
             typer.echo(f"wrote {out / fname}")
         else:
             typer.echo(f"# --- {fname}\n{text}")

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline.artifacts.locks import private_lock
+from pipeline.artifacts.modes import make_dir
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
 from pipeline.redact import quiet_third_party, redact, redact_uri
@@ -295,7 +296,7 @@ def mlflow_for(cfg: ProjectConfig):
     if cfg.registry.registry_uri:
         mlflow.set_registry_uri(cfg.registry.registry_uri)
     try:
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(cfg.state_dir)  # 0755 whatever the umask: nobody else writes into it
     except OSError as e:
         raise StoreError(f"cannot create the state directory {cfg.state_dir}: {e.strerror or e}") from e
     marker = _marker(cfg, uri)
