@@ -51,7 +51,8 @@ def make_dir(path: Path, mode: int = DIR_MODE) -> bool:
     """Create directory `path` and its missing parents, each with exactly `mode` (umask-proof).
 
     `mkdir`'s mode is cut by the umask, so each directory this call creates is `chmod`ed after;
-    directories that exist are left as they are. Returns True when `path` was created. Raises
+    an existing `path` keeps its mode, less group and other write when this user owns it
+    (`tighten`: made under a looser umask earlier). Returns True when `path` was created. Raises
     OSError as `mkdir` does (read-only filesystem, permissions; a file in the way: FileExistsError).
     """
     path = Path(path)
@@ -70,9 +71,19 @@ def make_dir(path: Path, mode: int = DIR_MODE) -> bool:
             continue
         os.chmod(d, mode)
         created = True
-    if not missing and not path.is_dir():
-        raise FileExistsError(17, "exists and is not a directory", str(path))
+    if not missing:
+        if not path.is_dir():
+            raise FileExistsError(17, "exists and is not a directory", str(path))
+        tighten(path)
     return created
+
+
+def tighten(path: Path) -> None:
+    """Take group and other write off `path` when this user owns it (a directory made under `umask 000`
+    or `002` by an earlier version); another user's is left alone. Links are not followed."""
+    st = os.lstat(path)
+    if st.st_uid == os.geteuid() and not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & OTHERS_WRITE:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~OTHERS_WRITE)
 
 
 def share_tree(root: Path) -> None:

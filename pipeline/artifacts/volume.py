@@ -33,7 +33,7 @@ from pathlib import Path
 from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree
 from pipeline.artifacts.locks import try_lock
 from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest, read_manifest, verify_files
-from pipeline.artifacts.modes import fleet_access_problems, fleet_reader, foreign_entries, make_dir
+from pipeline.artifacts.modes import fleet_access_problems, fleet_reader, foreign_entries, make_dir, tighten
 from pipeline.artifacts.names import name_problem
 from pipeline.errors import VolumeError
 
@@ -133,6 +133,11 @@ def real_dir(path: Path, volume: Path, create: bool = False) -> bool:
             f"{path}: {what}; the pipeline only uses real directories of the volume {volume} there "
             "(a link would lead reads and deletions out of it): remove it (`rm`, not `rm -r`)"
         )
+    if create:
+        try:
+            tighten(path)  # nobody else writes into the pipeline's own directories, whatever umask made them
+        except OSError as e:
+            raise os_failure(e, "cannot set the mode of", path) from e
     return True
 
 

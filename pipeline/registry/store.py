@@ -305,6 +305,7 @@ def mlflow_for(cfg: ProjectConfig):
             if not marker.exists():
                 ensure_experiment(cfg, mlflow)  # creates the schema and the experiment
                 marker.write_text(uri + "\n")
+                os.chmod(marker, 0o644)  # not the umask's: nobody else may write the store's marker
     elif uri.startswith("sqlite:") and (p := _sqlite_path(uri)) is not None and not p.exists():
         raise StoreError(f"the MLflow database {p} disappeared while this command ran")
     keep_private(cfg)
