@@ -223,3 +223,19 @@ def test_make_dir_ignores_the_umask(tmp_path, mask):
     (tmp_path / "file").write_text("")
     with pytest.raises(FileExistsError):
         make_dir(tmp_path / "file")
+
+
+@needs_root
+def test_the_canarys_staging_copy_is_readable_by_a_staging_instance_of_another_user(shared):
+    """`canary NAME` unpacks the version into a `mkdtemp` directory (0700) under the operator's umask:
+    a staging vLLM running as another user could not load it (`share_tree`)."""
+    from pipeline.artifacts.modes import share_tree
+
+    with umask(0o077):
+        work = Path(tempfile.mkdtemp(dir=shared))
+        (work / "adapter").mkdir()
+        (work / "adapter" / "adapter_config.json").write_text("{}")
+    assert _as_nobody("cat", work / "adapter" / "adapter_config.json").returncode != 0
+    share_tree(work)
+    assert _as_nobody("cat", work / "adapter" / "adapter_config.json").returncode == 0
+    assert _nobody_writes(work) == []
