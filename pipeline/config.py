@@ -215,6 +215,12 @@ def _not_empty(v):
 
 class VolumeSection(_Section):
     path: Path = Field(Path("adapters/volume"), description="where the pipeline writes the adapter volume")
+    fleet_user: str | int | None = Field(
+        None,
+        description="the local user (name or uid) the fleet's vLLM reads the volume as; publish checks that "
+        "user can read every directory from / to each file. None: any user, so the volume root and all "
+        "below it must be readable by all (docs/fleet.md, 'Who may read the volume')",
+    )
     _path_not_empty = field_validator("path", mode="before")(_not_empty)
 
 
@@ -387,6 +393,12 @@ class ProjectConfig(BaseSettings):
     def served_base_name(self) -> str:
         """The string vLLM lists as the adapter's `parent` (`ServedSection.base_name`)."""
         return self.served.base_name
+
+    @property
+    def served_base_names(self) -> tuple[str, ...]:
+        """Every name a client may ask the fleet for the base model by: `served.served_model_name` and
+        `served.model` (what `vllm serve` was given); no adapter may take one (`pipeline.artifacts.names`)."""
+        return tuple(dict.fromkeys(n for n in (self.served.served_model_name, self.served.model) if n))
 
 
 def _resolve_paths(cfg: ProjectConfig, root: Path) -> ProjectConfig:

@@ -114,6 +114,11 @@ def _hostile_files(root: Path) -> dict[str, Path]:
     return p
 
 
+def _mk(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
     root = tmp_path_factory.mktemp("hostile")
@@ -152,6 +157,15 @@ def world(tmp_path_factory) -> World:
     (root / "bignum-state" / "volume" / "fleet-state.json").write_text('{"schema": ' + BIG + "}")
     bignum_cfg = root / "bignum-config.yaml"
     bignum_cfg.write_text(f"fleet: {{max_lora_rank: {BIG}}}\n")
+    # issue 40: the base served under a name an adapter could take; a volume the fleet cannot read
+    served = write_project_config(
+        _mk(root / "served"), served={"model": "org/base", "served_model_name": "qwen-base"}
+    )
+    served_vn = write_project_config(_mk(root / "served-vn"), served={"served_model_name": "qwen-v3"})
+    fleet_user = write_project_config(_mk(root / "fleet-user"), volume={"fleet_user": "no-such-user-x"})
+    closed = write_project_config(_mk(root / "closed-volume"))
+    (root / "closed-volume" / "volume").mkdir(mode=0o700)
+    os.chmod(root / "closed-volume" / "volume", 0o700)
     not_db = write_project_config(root / "not-db")
     (root / "not-db" / "state").mkdir(parents=True)
     (root / "not-db" / "state" / "mlflow.db").write_bytes(b"garbage" * 500)
@@ -211,6 +225,11 @@ def world(tmp_path_factory) -> World:
         "bignum-config": {**base, "PIPELINE_CONFIG": str(bignum_cfg)},
         "env-deep": {**base, "PIPELINE_FLEET": DEEP},
         "env-interval": {**base, "PIPELINE_PROGRESS_INTERVAL": "abc"},
+        "served": {**base, "PIPELINE_CONFIG": str(served)},
+        "served-vn": {**base, "PIPELINE_CONFIG": str(served_vn)},
+        "served-env": {**base, "PIPELINE_SERVED__SERVED_MODEL_NAME": "qwen-base"},
+        "fleet-user": {**base, "PIPELINE_CONFIG": str(fleet_user)},
+        "closed-volume": {**base, "PIPELINE_CONFIG": str(closed)},
     }
     return w
 
@@ -493,6 +512,50 @@ def cases(w: World) -> list[Case]:
         ):
             # status and the follower do not read the volume: a broken one is not their error
             harmless = env in VOLUMES and args[0] in ("status", "follow-alias")
+            add(Case(args, env=env, ok_codes=(0, *ERRORS) if harmless else ERRORS))
+    # issue 40 kind 2: a name the fleet serves the base under (or NAME-vN of it) is refused first, exit 2;
+    # the readers (status, fleet resolve/prune) may say not found
+    for env, n in (("served", "qwen-base"), ("served-vn", "qwen"), ("served-env", "qwen-base")):
+        for args in (
+            ["train", tiny, "--name", n],
+            ["run", tiny, "--name", n],
+            ["register", P["dir"], "--name", n],
+            ["publish", n, "--version", "1"],
+            ["promote", n, "1"],
+            ["rollback", n],
+            ["canary", n, "--staging", "http://127.0.0.1:9"],
+            ["follow-alias", "--once", "--name", n],
+            ["schedule", "emit", "--kind", "systemd", "--name", n, "--config", "c.yml"],
+            [
+                "merge",
+                P["dir"],
+                "--base",
+                P["dir"],
+                "--out",
+                str(w.root / "m5"),
+                "--name",
+                n,
+                "--version",
+                "1",
+            ],
+            ["demo", "--name", n],
+        ):
+            add(Case(args, env=env, ok_codes=(2,)))
+        for args in (["status", n], ["fleet", "resolve", n], ["fleet", "prune", n]):
+            add(Case(args, env=env, ok_codes=(0, *ERRORS)))
+    # issue 40 kind 3: an unknown volume.fleet_user, a volume root the fleet cannot enter
+    for env in ("fleet-user", "closed-volume"):
+        for args in (
+            ["publish", "agent", "--version", "1"],
+            ["promote", "agent", "1"],
+            ["rollback", "agent"],
+            ["status"],
+            ["fleet", "status"],
+            ["fleet", "prune", "agent"],
+            ["follow-alias", "--once"],
+        ):
+            # readers, and a prune with nothing to prune, have nothing to refuse
+            harmless = args[0] in ("status", "follow-alias", "fleet")
             add(Case(args, env=env, ok_codes=(0, *ERRORS) if harmless else ERRORS))
     return out
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from pipeline.artifacts.modes import make_dir
 from pipeline.errors import LockedError, VolumeError
 
 _held = threading.local()
@@ -65,7 +66,7 @@ def file_lock(path: Path, timeout_s: float, what: str):
             depth[key] -= 1
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent)  # 0755 whatever the umask
         lock = private_lock(path)
         lock.acquire(timeout=timeout_s)
     except Timeout as e:

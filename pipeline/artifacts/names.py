@@ -20,11 +20,19 @@ version 1 of `foo`: same directory, same served name). Checked before any work a
 point (`pipeline train --name`, `register`, `publish`, `promote`, `rollback`, `run`, `canary`,
 `fleet prune`, `schedule emit`...): `check_name` raises `UsageError` (exit 2) with the grammar.
 A name defaulted from a config file's stem is made to fit (`default_name`).
+
+The same check, given the names the fleet serves the base model under (`served`: vLLM's
+`--served-model-name`, else the `vllm serve` model string; `ProjectConfig.served_base_names`),
+also refuses a name that collides with them (`served_collision`): equal, equal but for case
+(clients, gateways and people that fold case), or a name whose version N is served under
+the base's name (`NAME-vN`). Writers check it before any work; readers (`status NAME`) check
+the grammar only, so an entry registered before this rule can still be looked at.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from pipeline.errors import UsageError
 
@@ -57,6 +65,28 @@ def name_problem(name: str) -> str | None:
     return None
 
 
+def served_collision(name: str, served: Iterable[str]) -> str | None:
+    """How adapter `name` collides with a name the fleet serves the base model under, or None.
+
+    Compared: the name itself (clients asking for one would get the other), case-folded (a gateway
+    or a person that folds case), and `NAME-vN`, the name version N of the adapter is served under.
+    """
+    for s in served:
+        if not s:
+            continue
+        if name == s:
+            return f"is the name the fleet serves the base model under ({s!r})"
+        if name.casefold() == s.casefold():
+            return f"differs only in case from {s!r}, the name the fleet serves the base model under"
+        m = re.fullmatch(r"(?P<name>.+)-v(?P<version>\d+)", s, flags=re.IGNORECASE)
+        if m and m["name"].casefold() == name.casefold():
+            return (
+                f"would serve its version {int(m['version'])} as {s!r}, the name the fleet serves the "
+                "base model under"
+            )
+    return None
+
+
 def default_name(stem: str) -> str:
     """An adapter name made from a file stem: lower-cased, other characters as `-` (`qwen3.6-27b-lora` ->
     `qwen3-6-27b-lora`). The result is still checked (`check_name`)."""
@@ -64,10 +94,22 @@ def default_name(stem: str) -> str:
     return out or stem
 
 
-def check_name(name: str, what: str = "adapter name") -> str:
-    """Return `name` if it follows the grammar; else raise UsageError (exit 2) showing the grammar."""
+def check_name(name: str, what: str = "adapter name", served: Iterable[str] = ()) -> str:
+    """Return `name` if it follows the grammar and collides with none of the `served` base names.
+
+    `served`: the names the fleet serves the base model under (`ProjectConfig.served_base_names`);
+    empty: the grammar only. Raises UsageError (exit 2) showing the grammar, or naming the
+    served name and the settings it comes from.
+    """
     why = name_problem(name)
     if why is not None:
         shown = name if len(str(name)) <= 80 else f"{str(name)[:40]}...{str(name)[-20:]}"
         raise UsageError(f"{what} {shown!r} {why}. Adapter names use: {GRAMMAR}")
+    why = served_collision(name, served)
+    if why is not None:
+        raise UsageError(
+            f"{what} {name!r} {why} (served.served_model_name, else served.model, in pipeline.yaml or "
+            "$PIPELINE_SERVED__SERVED_MODEL_NAME / $PIPELINE_SERVED__MODEL): requests for it would be "
+            "ambiguous; choose another adapter name"
+        )
     return name

@@ -33,6 +33,7 @@ from pathlib import Path
 from pipeline.artifacts.atomic import fsync_dir, rmtree, seal_tree
 from pipeline.artifacts.locks import try_lock
 from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest, read_manifest, verify_files
+from pipeline.artifacts.modes import fleet_access_problems, fleet_reader, foreign_entries, make_dir, tighten
 from pipeline.artifacts.names import name_problem
 from pipeline.errors import VolumeError
 
@@ -105,7 +106,8 @@ def _device(volume: Path) -> int:
 
 
 def real_dir(path: Path, volume: Path, create: bool = False) -> bool:
-    """Whether `path` is a real directory of the volume; absent: False (created, mode 0755, when `create`).
+    """Whether `path` is a real directory of the volume; absent: False (created, mode 0755 whatever the
+    umask, when `create`).
 
     Everything the pipeline itself reads or deletes under the volume (`.staging`, `.txn`, `.locks`,
     version directories) must be a directory of the volume, not a link to one elsewhere (a deletion
@@ -119,7 +121,7 @@ def real_dir(path: Path, volume: Path, create: bool = False) -> bool:
         if not create:
             return False
         try:
-            path.mkdir(mode=0o755, parents=True, exist_ok=True)
+            make_dir(path)
             st = os.lstat(path)
         except OSError as e:
             raise os_failure(e, "cannot create the directory", path) from e
@@ -131,6 +133,11 @@ def real_dir(path: Path, volume: Path, create: bool = False) -> bool:
             f"{path}: {what}; the pipeline only uses real directories of the volume {volume} there "
             "(a link would lead reads and deletions out of it): remove it (`rm`, not `rm -r`)"
         )
+    if create:
+        try:
+            tighten(path)  # nobody else writes into the pipeline's own directories, whatever umask made them
+        except OSError as e:
+            raise os_failure(e, "cannot set the mode of", path) from e
     return True
 
 
@@ -187,10 +194,10 @@ def version_dirs(volume: Path, name: str | None = None) -> dict[str, list[int]]:
 
 
 def check_writable(directory: Path) -> None:
-    """Raise VolumeError unless `directory` (created if missing) can be written."""
+    """Raise VolumeError unless `directory` (created if missing: mode 0755 whatever the umask) can be written."""
     directory = Path(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dir(directory)
     except OSError as e:
         raise os_failure(e, "cannot create the directory", directory) from e
     if not os.access(directory, os.W_OK):
@@ -200,6 +207,51 @@ def check_writable(directory: Path) -> None:
             probe.unlink()
         except OSError as e:
             raise os_failure(e, "cannot write", directory) from e
+
+
+def check_fleet_access(volume: Path, path: Path, fleet_user: str | int | None, tree: bool = True) -> None:
+    """Raise VolumeError unless the fleet's user (`volume.fleet_user`; None: any user) can read `path`.
+
+    `tree`: also every directory and file under `path` (a version directory); else only the
+    directories down to `path` (the volume root, before anything is written). The message names each
+    path that stops it, its mode and owner, and the fix. Raises VolumeError for a `fleet_user` the
+    system does not know, too. See `pipeline.artifacts.modes`.
+    """
+    try:
+        reader = fleet_reader(fleet_user)
+    except ValueError as e:
+        raise VolumeError(f"volume.fleet_user: {e}") from None
+    path, volume = Path(path), Path(volume)
+    try:
+        problems = fleet_access_problems(path, reader, volume, tree=tree)
+    except OSError as e:
+        raise os_failure(e, "cannot examine", e.filename or path) from e
+    if problems:
+        raise VolumeError(
+            "fleet instances could not read what this would publish:\n  "
+            + "\n  ".join(problems[:10])
+            + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+            + "\nGive the fleet read and search access (e.g. `chmod 0755` the directories named, or `chgrp` them "
+            "to the fleet's group with mode 0750 and set volume.fleet_user), or set volume.fleet_user to the "
+            'user the fleet\'s vLLM runs as (docs/fleet.md, "Who may read the volume"); nothing was published'
+        )
+
+
+def check_own_version_dir(directory: Path) -> None:
+    """Raise VolumeError when a version directory (or an entry in it) is another user's or writable by others.
+
+    Its owner could change it after it was verified, and the fleet would load what they put there.
+    """
+    try:
+        foreign = foreign_entries(directory)
+    except OSError as e:
+        raise os_failure(e, "cannot examine", e.filename or directory) from e
+    if foreign:
+        raise VolumeError(
+            f"{directory}: not this user's own sealed version directory, so it can be changed under the fleet:\n  "
+            + "\n  ".join(foreign[:10])
+            + "\nMove it away (another user's copy is not trusted) and publish the version again; nothing changed"
+        )
 
 
 def check_free_space(directory: Path, need_bytes: int, files: int = 0) -> None:

@@ -13,6 +13,7 @@ from pipeline import registry
 from pipeline.artifacts.adapter import WEIGHTS_FILE, adapter_tensors, parse_key
 from pipeline.artifacts.bounded import MIB, load_json_file
 from pipeline.artifacts.hashing import sha256_file
+from pipeline.artifacts.modes import make_dir, share_tree
 from pipeline.canary import prom
 from pipeline.canary.effect import measure
 from pipeline.canary.prompts import Prompt, canary_set, load_tokenizer
@@ -371,10 +372,11 @@ def canary_version(
         alias = registry.ALIAS_CANDIDATE
     mv = registry.resolve_version(cfg, name, version, alias)
     root = cfg.canary.staging_dir or (cfg.state_dir / "canary")
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root)  # 0755 whatever the umask
     work = Path(tempfile.mkdtemp(prefix=f"{name}-v{mv.version}.", dir=root))
     try:
         src = registry.download_version(cfg, mv, work / "adapter")
+        share_tree(work)  # mkdtemp's 0700 and the umask's modes: the staging instance may run as another user
         base_dir = base_dir or default_base(cfg, src)
         if base_dir is None:
             raise UsageError("no base checkpoint for the PEFT reference: pass --base DIR or set base.path")

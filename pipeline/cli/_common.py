@@ -83,13 +83,30 @@ def finite(value):
 
 
 def adapter_name(value):
-    """Typer callback: the adapter name(s) given follow the grammar (`pipeline.artifacts.names`), else exit 2."""
+    """Typer callback of every command that writes under a name: the name(s) follow the grammar and take
+    none of the names the fleet serves the base model under (`pipeline.artifacts.names.check_name`, the
+    project's `served` section), else exit 2 before any work."""
     if value is None:
         return value
     from pipeline.artifacts.names import check_name  # lazy: `pipeline --help` imports only pipeline.errors
 
-    for v in value if isinstance(value, list | tuple) else [value]:
-        check_name(v)
+    values = value if isinstance(value, list | tuple) else [value]
+    for v in values:
+        check_name(v)  # the grammar first: it needs no config
+    served = project_config().served_base_names
+    for v in values:
+        check_name(v, served=served)
+    return value
+
+
+def adapter_name_read(value):
+    """Typer callback of a command that only reads under a name (`status NAME`, `fleet resolve NAME`): the
+    grammar only, so an entry registered before a rule was added can still be looked at."""
+    if value is None:
+        return value
+    from pipeline.artifacts.names import check_name  # lazy: `pipeline --help` imports only pipeline.errors
+
+    check_name(value)
     return value
 
 
@@ -278,6 +295,9 @@ class PipelineGroup(TyperGroup):
 
     def invoke(self, ctx: click.Context):
         skip_final_collection()
+        from pipeline.artifacts.modes import no_writes_by_others  # lazy: `--help` imports only the three
+
+        no_writes_by_others()  # what a command writes is never writable by others, whatever the umask
         with redacted_output():  # every byte a command prints, whoever prints it (pipeline.redact)
             return self._invoke(ctx)
 

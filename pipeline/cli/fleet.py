@@ -17,6 +17,7 @@ from pipeline.cli._common import (
     DryRunOption,
     JsonOption,
     adapter_name,
+    adapter_name_read,
     emit_json,
     exit_as,
     finite,
@@ -89,7 +90,7 @@ def status(
 
 @app.command("resolve")
 def resolve(
-    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name_read)],
     as_json: JsonOption = False,
 ):
     """The model id clients send for adapter NAME now (e.g. NAME-v3), from the desired state."""
@@ -202,7 +203,7 @@ def interactive() -> bool:
 
 @app.command("prune")
 def prune(
-    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name)],
+    name: Annotated[str, typer.Argument(help="adapter name", callback=adapter_name_read)],
     keep: Annotated[int, typer.Option("--keep", min=1, help="newest version directories to keep")] = 2,
     force: Annotated[bool, typer.Option("--force", help="prune even if an instance is unreachable")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask on a terminal")] = False,

@@ -14,6 +14,7 @@ from pipeline.cli._common import (
     DryRunOption,
     JsonOption,
     adapter_name,
+    adapter_name_read,
     emit_json,
     err,
     exit_as,
@@ -148,7 +149,7 @@ def _next_version(cfg, name: str) -> int:
 @app.command()
 def status(
     name: Annotated[
-        str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name)
+        str | None, typer.Argument(help="registered model (default: all)", callback=adapter_name_read)
     ] = None,
     as_json: JsonOption = False,
     output: OutputOption = None,

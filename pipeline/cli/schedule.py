@@ -12,6 +12,8 @@ import click
 import typer
 from pydantic import ValidationError
 
+from pipeline.artifacts.modes import FILE_MODE, make_dir
+from pipeline.artifacts.names import check_name
 from pipeline.cli._common import CONFIG_META, adapter_name, log, project_config
 from pipeline.errors import UsageError
 from pipeline.jobs.schedule import ScheduleSpec, emit, scrontab_log_dir
@@ -49,6 +51,19 @@ def _check_host_job(spec: ScheduleSpec, kind: str, log_dir: Path | None, no_chec
     for p in job.problems:
         log.warning("--no-check: the job would fail: %s", p)
     spec.needs = [*job.needs, *(f"NOT FOUND WHEN EMITTED: {p}" for p in job.problems)]
+
+
+def _check_name_for_job(name: str, job_yaml: Path | None) -> None:
+    """The job reads its own pipeline.yaml (`--pipeline-yaml`, or `<workdir>/pipeline.yaml` here): the
+    name must not take a name its fleet serves the base model under either (the callback checked this
+    project's). A unit emitted with one would exit 2 on every run."""
+    if job_yaml is None or not job_yaml.is_file():
+        return
+    from pipeline.config import load_config  # lazy: pydantic-settings (~0.4 s), as `project_config` loads it
+
+    check_name(
+        name, f"adapter name (for the job's {job_yaml})", served=load_config(job_yaml).served_base_names
+    )
 
 
 class Kind(StrEnum):
@@ -117,6 +132,9 @@ def emit_cmd(
 
     Example: pipeline schedule emit --kind systemd --name my-task --config my-task.yml --out schedule/"""
     text = ""
+    _check_name_for_job(
+        name, pipeline_yaml if kind is Kind.cronjob else Path(workdir or Path.cwd()) / "pipeline.yaml"
+    )
     if kind is Kind.cronjob:
         src = pipeline_yaml or _project_yaml()
         if src is not None:
@@ -161,8 +179,9 @@ def emit_cmd(
         log.info("created %s (the scrontab's --output directory)", log_dir)
     for fname, text in files.items():
         if out:
-            out.mkdir(parents=True, exist_ok=True)
+            make_dir(out)  # 0755 and 0644 whatever the umask: nobody else may edit what a scheduler runs
             (out / fname).write_text(text)
+            os.chmod(out / fname, FILE_MODE)
             typer.echo(f"wrote {out / fname}")
         else:
             typer.echo(f"# --- {fname}\n{text}")

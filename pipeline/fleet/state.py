@@ -33,6 +33,7 @@ from pathlib import Path
 from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.bounded import MIB, BoundsError, load_json_file
 from pipeline.artifacts.locks import file_lock
+from pipeline.artifacts.modes import make_dir
 from pipeline.artifacts.volume import os_failure, real_file
 from pipeline.errors import UsageError
 
@@ -131,7 +132,7 @@ def load_state(volume: Path) -> FleetState:
 def save_state(volume: Path, state: FleetState) -> None:
     """Write atomically; call only while holding `fleet_lock(volume)`."""
     try:
-        Path(volume).mkdir(parents=True, exist_ok=True)
+        make_dir(volume)  # 0755 whatever the umask: the fleet reads the volume
         write_json_atomic(state_path(volume), state.to_dict())
     except OSError as e:
         raise os_failure(e, "cannot write the desired state", state_path(volume)) from e

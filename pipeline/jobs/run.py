@@ -39,6 +39,7 @@ from pipeline import registry
 from pipeline.artifacts.fingerprint import training_inputs
 from pipeline.artifacts.locks import private_lock
 from pipeline.artifacts.manifest import MANIFEST, read_adapter_manifest
+from pipeline.artifacts.modes import make_dir
 from pipeline.artifacts.names import check_name, default_name
 from pipeline.canary import canary_version
 from pipeline.config import ProjectConfig
@@ -329,6 +330,7 @@ def run(
     name = check_name(
         name or default_name(Path(config_path).stem),
         "adapter name (--name, default: from the config file name)",
+        served=cfg.served_base_names,
     )
     tc, plan = training_setup(
         Path(config_path), list(overrides), list(overlays), gpus, launcher, list(launcher_args), strategy
@@ -340,7 +342,7 @@ def run(
         )
     # The lock comes first, so a second concurrent run exits at once, before any slow check.
     lock_dir = cfg.state_dir / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(lock_dir)  # 0755 whatever the umask (the lock files in it are 0600)
     lock = private_lock(lock_dir / f"{name}.lock")
     try:
         lock.acquire(timeout=0)

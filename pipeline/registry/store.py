@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline.artifacts.locks import private_lock
+from pipeline.artifacts.modes import make_dir
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
 from pipeline.redact import quiet_third_party, redact, redact_uri
@@ -352,7 +353,7 @@ def mlflow_for(cfg: ProjectConfig):
     if cfg.registry.registry_uri:
         mlflow.set_registry_uri(engine_uri(cfg.registry.registry_uri))
     try:
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(cfg.state_dir)  # 0755 whatever the umask: nobody else writes into it
     except OSError as e:
         raise StoreError(f"cannot create the state directory {cfg.state_dir}: {e.strerror or e}") from e
     marker = _marker(cfg, uri)
@@ -361,6 +362,7 @@ def mlflow_for(cfg: ProjectConfig):
             if not marker.exists():
                 ensure_experiment(cfg, mlflow)  # creates the schema and the experiment
                 marker.write_text(uri + "\n")
+                os.chmod(marker, 0o644)  # not the umask's: nobody else may write the store's marker
     elif uri.startswith("sqlite:") and (p := _sqlite_path(uri)) is not None and not p.exists():
         raise StoreError(f"the MLflow database {p} disappeared while this command ran")
     keep_private(cfg)

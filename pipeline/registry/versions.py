@@ -159,7 +159,7 @@ def register_adapter(cfg: ProjectConfig, adapter_dir: Path, name: str, report: d
             of another user or a secret one (`pipeline.artifacts.adapter_files`); nothing is written.
     """
 
-    check_name(name)  # the grammar (exit 2) before anything is read or written
+    check_name(name, served=cfg.served_base_names)  # the grammar, the base's names (exit 2) before any work
     adapter_dir = Path(adapter_dir)
     with tempfile.TemporaryDirectory(prefix="pipeline-register.") as td:
         # What goes to the artifact store is this private copy: allowed names and sizes, no links,

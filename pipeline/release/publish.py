@@ -46,8 +46,11 @@ from pipeline.artifacts.names import check_name
 from pipeline.artifacts.normalise import rewrite_base_model
 from pipeline.artifacts.volume import (
     STAGING,
+    check_fleet_access,
+    check_own_version_dir,
     check_writable,
     clear_debris,
+    remove_version,
     staged_version,
     tree_size,
     verify_version_dir,
@@ -55,7 +58,7 @@ from pipeline.artifacts.volume import (
 )
 from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
-from pipeline.errors import CheckFailed, FleetError, UsageError, VolumeError
+from pipeline.errors import CheckFailed, FleetError, VolumeError
 from pipeline.fleet.instances import InstanceReport
 from pipeline.fleet.preflight import preflight
 from pipeline.fleet.state import fleet_lock, load_state
@@ -129,15 +132,6 @@ def check_publishable(mv, weights_sha256: str) -> None:
         )
 
 
-def check_served_name(cfg: ProjectConfig, name: str) -> None:
-    """An adapter must not take the name instances serve the base model under."""
-    if name in (cfg.served_base_name, cfg.served.model):
-        raise UsageError(
-            f"adapter name {name!r} is the name the fleet serves the base model under "
-            f"(served.served_model_name / served.model): requests for it would be ambiguous; rename the adapter"
-        )
-
-
 # -- the volume ---------------------------------------------------------------------------------------
 def _clear_all_debris(cfg: ProjectConfig, volume: Path) -> Path:
     """`clear_debris` on the volume's staging area and the local download area; returns the latter."""
@@ -161,6 +155,8 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: Origin | None = No
     volume = Path(volume)
     target = version_dir(volume, name, version)
     if target.exists():
+        check_own_version_dir(target)  # another user's, or writable by others: never trusted
+        check_fleet_access(volume, target, cfg.volume.fleet_user)
         problems = verify_version_dir(target, cache=False)
         if problems:
             raise PublishError(
@@ -211,6 +207,12 @@ def materialise(cfg: ProjectConfig, mv, volume: Path, origin: Origin | None = No
                 time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             )
             write_manifest(st.path, manifest)  # the manifest last
+        if st.created:
+            try:  # sealed 0555/0444 whatever the umask; proven here, so no version the fleet cannot read stays
+                check_fleet_access(volume, st.target, cfg.volume.fleet_user)
+            except VolumeError:
+                remove_version(volume, name, version, "unreadable")
+                raise
         return st.target, st.created
 
 
@@ -263,8 +265,7 @@ def publish(
         FleetError (exit 4): an instance did not switch; every instance was put back, desired state
             and aliases unchanged.
     """
-    check_name(name)
-    check_served_name(cfg, name)
+    check_name(name, served=cfg.served_base_names)  # the grammar and the base's served names
     mv = registry.resolve_version(cfg, name, version, alias)
     target = int(mv.version)
     warnings = canary_gate(cfg, mv)  # before anything is written
@@ -276,7 +277,8 @@ def publish(
             cfg.fleet, cfg.served
         )  # every instance runs the configured vLLM and model: else exit 4, nothing written
     volume = Path(cfg.volume.path)
-    check_writable(volume)
+    check_writable(volume)  # created 0755 whatever the umask
+    check_fleet_access(volume, volume, cfg.volume.fleet_user, tree=False)  # before anything is written
     with adapter_transaction(cfg, name, prefer="complete", wanted=frozenset({target})) as tx:
         warnings += tx.notes
         done = tx.completed("publish", target)

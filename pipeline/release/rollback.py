@@ -5,7 +5,12 @@ from __future__ import annotations
 from pipeline import registry
 from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.artifacts.names import check_name
-from pipeline.artifacts.volume import verify_version_dir, version_dir
+from pipeline.artifacts.volume import (
+    check_fleet_access,
+    check_own_version_dir,
+    verify_version_dir,
+    version_dir,
+)
 from pipeline.config import ProjectConfig
 from pipeline.errors import LockedError, UsageError
 from pipeline.fleet.instances import InstanceReport
@@ -55,6 +60,8 @@ def check_rollback_dir(cfg: ProjectConfig, mv) -> None:
         raise UsageError(
             f"{d}: not on the volume (pruned?); publish it: pipeline publish {name} --version {target}"
         )
+    check_own_version_dir(d)  # another user's, or writable by others: never trusted
+    check_fleet_access(cfg.volume.path, d, cfg.volume.fleet_user)
     problems = verify_version_dir(d, cache=False)  # before any instance is told to load it
     if problems:
         raise PublishError(
@@ -80,7 +87,7 @@ def rollback(cfg: ProjectConfig, name: str, to: int | None = None) -> RolledBack
     version, nothing in production, no earlier version, or the version's directory was pruned (publish it again instead). PublishError: the directory
     fails its manifest (tampered) or came from another registry entry.
     """
-    check_name(name)
+    check_name(name, served=cfg.served_base_names)
     vol = cfg.volume.path
     registry.versions(cfg, name)  # UsageError naming the registered models if `name` is unknown
     seen = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)

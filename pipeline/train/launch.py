@@ -325,6 +325,7 @@ def train(
     name = check_name(
         name or default_name(Path(config_path).stem),
         "adapter name (--name, default: from the config file name)",
+        served=cfg.served_base_names,
     )
     tc, plan = training_setup(
         Path(config_path), list(overrides), list(overlays), gpus, launcher, list(launcher_args), strategy

@@ -102,11 +102,18 @@ def test_default_names_from_config_files_fit_the_grammar():
 
 
 def test_served_base_name_is_refused(tmp_path, release_adapters):
+    """Versions registered before the base was served under their name (issue 40: register now refuses
+    too) are not published under it."""
+    from pipeline.config import load_config
     from pipeline.release.publish import publish
+    from tests.support.helpers import write_project_config
 
-    cfg = new_project(tmp_path, served={"model": "tiny-base", "served_model_name": "base-llm"})
+    legacy = new_project(tmp_path)
+    cfg = load_config(
+        write_project_config(tmp_path, served={"model": "tiny-base", "served_model_name": "base-llm"})
+    )
     for n in ("tiny-base", "base-llm"):
-        register_versions(cfg, n, release_adapters, 1)
+        register_versions(legacy, n, release_adapters, 1)
         with pytest.raises(UsageError, match="serves the base model under"):
             publish(cfg, n, version=1)
         assert not version_dir(cfg.volume.path, n, 1).exists()
