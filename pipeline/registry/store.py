@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pipeline.artifacts.locks import private_lock
 from pipeline.artifacts.modes import make_dir
+from pipeline.artifacts.volume import version_dirs
 from pipeline.config import ProjectConfig
 from pipeline.errors import StoreError
 from pipeline.redact import quiet_third_party, redact, redact_uri
@@ -43,6 +44,9 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
 }
 _checked: set[tuple[str, bool]] = set()  # (uri, checked for writing)
+NEW_REGISTRY_ENV = (
+    "PIPELINE_NEW_REGISTRY"  # =1: start a new, empty registry although the volume holds versions
+)
 _last_uri: list[str] = []
 
 
@@ -77,6 +81,7 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
                 f"purpose, delete {marker} (published versions from the old registry are then refused "
                 f"by `publish`, which checks where each version directory came from)"
             )
+        refuse_new_over_published(cfg, f"the MLflow database {path}")
         return
     if path.is_dir():
         raise StoreError(f"the MLflow database {path} is a directory, not a sqlite file")
@@ -126,9 +131,36 @@ def _check_sqlite(cfg: ProjectConfig, uri: str, timeout_s: float, write: bool = 
 
 def _restore_or_anew(marker: Path) -> str:
     return (
-        f"restore it from a backup; or, to start a new empty registry on purpose, move it aside and delete "
-        f"{marker} (versions published from the old registry are then refused by `publish` and `rollback`, "
-        "which check where each version directory came from)"
+        f"restore it from a backup; or, to start a new empty registry on purpose, move it aside, delete "
+        f"{marker} and run the command once with {NEW_REGISTRY_ENV}=1 (versions published from the old "
+        "registry are then refused by `publish` and `rollback`, which check where each version directory "
+        "came from)"
+    )
+
+
+def refuse_new_over_published(cfg: ProjectConfig, where: str) -> None:
+    """StoreError when an empty store would be initialised while the volume holds published versions.
+
+    The marker (`_marker`) says this project created a store; with the whole state directory lost it is
+    gone too, but the versions on the volume still say a registry numbered them: a new one would number
+    its versions from 1 again beside them (issue 40). Starting anew is then explicit: `PIPELINE_NEW_REGISTRY=1`.
+    """
+    if os.environ.get(NEW_REGISTRY_ENV) == "1" or cfg.volume.path is None:
+        return
+    try:
+        published = version_dirs(Path(cfg.volume.path))
+    except Exception:  # an unreadable volume is the volume checks' to report, not the store's
+        return
+    if not published:
+        return
+    shown = ", ".join(f"{n} v{','.join(map(str, v[:3]))}" for n, v in sorted(published.items())[:3])
+    raise StoreError(
+        f"{where} holds no registry, but the volume {cfg.volume.path} holds {sum(map(len, published.values()))} "
+        f"published version(s) ({shown}{', ...' if len(published) > 3 else ''}) that a registry numbered: a new "
+        "one would number its versions from 1 again beside them. Nothing was changed. Point "
+        "MLFLOW_TRACKING_URI / registry.tracking_uri at the store they came from or restore it from a backup; "
+        f"or start a new, empty registry on purpose by running the command once with {NEW_REGISTRY_ENV}=1 "
+        "(versions published from the old registry are then refused by `publish` and `rollback`)"
     )
 
 
@@ -149,6 +181,8 @@ def refuse_unknown_state(cfg: ProjectConfig, uri: str, tables: set[str], where: 
             "changed: check MLFLOW_TRACKING_URI / registry.tracking_uri, or point it at an empty database"
         )
     marker = _marker(cfg, uri)
+    if not tables and not marker.exists():
+        refuse_new_over_published(cfg, where)
     if not tables and marker.exists():
         raise StoreError(
             f"{where} is empty (no tables), but this project created its registry there before ({marker}): "

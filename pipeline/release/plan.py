@@ -18,7 +18,7 @@ from pipeline.canary import gate as canary_gate
 from pipeline.config import ProjectConfig
 from pipeline.errors import CheckFailed, UsageError
 from pipeline.fleet.state import load_state
-from pipeline.release.publish import PublishError, _replaces, check_served_name, gate_override
+from pipeline.release.publish import PublishError, _replaces, gate_override
 from pipeline.release.rollback import check_rollback_dir, rollback_target
 from pipeline.release.transaction import load_intent
 
@@ -47,8 +47,7 @@ def publish_plan(
     (validation verdict, gate without `force`, canary), PublishError (the version directory on the
     volume differs from its manifest).
     """
-    check_name(name)
-    check_served_name(cfg, name)
+    check_name(name, served=cfg.served_base_names)  # the grammar and the base's served names, as publish
     mv = registry.resolve_version(cfg, name, version, alias)
     target = int(mv.version)
     tags = mv.tags or {}

@@ -135,7 +135,7 @@ def test_file_store_is_refused_before_anything_is_written(tmp_path, uri, monkeyp
     assert not (tmp_path / "mlruns").exists()
 
 
-def test_deleted_sqlite_store_is_refused_not_silently_recreated(tmp_path, release_adapters):
+def test_deleted_sqlite_store_is_refused_not_silently_recreated(tmp_path, release_adapters, monkeypatch):
     """Issue 16: the sqlite file deleted was silently recreated empty; a new v1 then 'published' as
     'already on the volume' and the old v1's weights stayed live under the new alias."""
     from pipeline.release.publish import PublishError, publish
@@ -153,6 +153,9 @@ def test_deleted_sqlite_store_is_refused_not_silently_recreated(tmp_path, releas
 
     # On purpose: a new, empty registry (the message says how). Its v1 is other weights.
     next(cfg.state_dir.glob(".mlflow-init-*")).unlink()
+    with pytest.raises(StoreError, match="PIPELINE_NEW_REGISTRY=1"):  # the volume holds v1: not silently
+        register_versions(cfg, "agent", release_adapters[1:2], 1)
+    monkeypatch.setenv("PIPELINE_NEW_REGISTRY", "1")
     register_versions(cfg, "agent", release_adapters[1:2], 1)
     with pytest.raises(PublishError, match="published from another registry entry") as e:
         publish(cfg, "agent", version=1)
@@ -164,7 +167,9 @@ def test_deleted_sqlite_store_is_refused_not_silently_recreated(tmp_path, releas
     assert r.exit_code == 1 and "Traceback" not in r.output
 
 
-def test_same_weights_reregistered_in_a_new_store_are_still_another_entry(tmp_path, release_adapters):
+def test_same_weights_reregistered_in_a_new_store_are_still_another_entry(
+    tmp_path, release_adapters, monkeypatch
+):
     """Sibling: the same adapter registered again as v1 of a recreated store: same weights, but the
     directory records another model version, so it is refused too (the lineage would be wrong)."""
     from pipeline.release.publish import PublishError, publish
@@ -176,6 +181,7 @@ def test_same_weights_reregistered_in_a_new_store_are_still_another_entry(tmp_pa
     next(cfg.state_dir.glob(".mlflow-init-*")).unlink()
     store._checked.clear()
     forget_mlflow_engines()
+    monkeypatch.setenv("PIPELINE_NEW_REGISTRY", "1")  # on purpose (the volume holds v1)
     register_versions(cfg, "same", release_adapters[:1], 1)
     with pytest.raises(PublishError, match="another registry entry"):
         publish(cfg, "same", version=1)

@@ -311,3 +311,27 @@ def test_a_dropped_postgres_schema_is_refused_not_recreated(pg_project, pg):
     finally:  # put the project's tables back for the other tests
         _psql(pg, "DROP SCHEMA public CASCADE; ALTER SCHEMA saved RENAME TO public")
         forget_mlflow_engines()
+
+
+def test_a_wiped_state_directory_is_not_a_new_registry_while_versions_are_published(
+    tmp_path, release_adapters
+):
+    """Issue 40 kind 1, the marker gone with the store (the whole `.state` wiped): the versions on the volume
+    still say a registry numbered them, so `register` would create v1 again beside them. It is refused
+    (exit 2, nothing created) until the operator starts anew on purpose (`PIPELINE_NEW_REGISTRY=1`)."""
+    import shutil
+
+    from pipeline.release.publish import publish
+
+    cfg = new_project(tmp_path)
+    register_versions(cfg, "agent", release_adapters[:1], 1)
+    publish(cfg, "agent", version=1)
+    shutil.rmtree(cfg.state_dir)
+    store._checked.clear()
+    forget_mlflow_engines()
+    r = _cli(cfg, "register", release_adapters[1][0], "--name", "agent")
+    assert r.exit_code == 2, r.output
+    assert "agent v1" in r.output and "PIPELINE_NEW_REGISTRY=1" in r.output
+    assert not (cfg.state_dir / "mlflow.db").exists()
+    r = _cli(cfg, "status", "--no-fleet")  # a reader says so too, and creates nothing
+    assert r.exit_code == 2 and not (cfg.state_dir / "mlflow.db").exists(), r.output
