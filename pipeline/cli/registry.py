@@ -30,6 +30,12 @@ def register(
         typer.Option(help="registered model name (the fleet's stable adapter name)", callback=adapter_name),
     ],
     base: Annotated[Path | None, typer.Option(help="bf16 base checkpoint dir for validation")] = None,
+    behaviour: Annotated[
+        bool,
+        typer.Option(
+            "--behaviour", help="also run validate's --behaviour checks; records the predicted MTP acceptance"
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ):
     """Validate, then record the adapter in MLflow as a model version.
@@ -41,7 +47,7 @@ def register(
         raise UsageError(
             f"{adapter}: not an adapter directory (give the `adapter/` directory `pipeline train` wrote)"
         )
-    rep = validate_with_config(cfg, adapter, base)
+    rep = validate_with_config(cfg, adapter, base, behaviour=behaviour)
     reg = registry.register_adapter(cfg, adapter, name, rep.to_dict())
     failed = sorted({c.id for c in rep.checks if c.severity == "error"})
     if as_json:

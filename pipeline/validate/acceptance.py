@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pipeline.artifacts.bounded import load_json_file
 from pipeline.artifacts.safetensors import HeaderError, read_safetensors_header
+from pipeline.errors import UsageError
 from pipeline.serving.mtp import STEPS, MtpLayer, draft_scores
 from pipeline.validate.chat import render_hf
 from pipeline.validate.facts import AdapterFacts
@@ -45,8 +46,8 @@ MTP_PREFIX = "mtp."
 DEFAULT_WARN_RATIO = 0.9  # below this predicted AL ratio a warning when fleet.min_acceptance_ratio is unset
 
 
-class NoMtpLayer(ValueError):
-    """The checkpoint holds no `mtp.*` tensors (a checkpoint without an MTP layer: nothing to estimate)."""
+class NoMtpLayer(UsageError, ValueError):
+    """The checkpoint holds no `mtp.*` tensors (a checkpoint without an MTP layer: nothing to estimate; exit 2)."""
 
 
 def checkpoint_shards(ckpt: Path) -> list[Path]:
