@@ -132,6 +132,19 @@ class FleetSection(_Section):
         description="instances draft with the served checkpoint's MTP layer (--speculative-config method mtp)",
     )
     loading_mode: Literal["api", "resolver"] = "api"
+    min_acceptance_ratio: float | None = Field(
+        None,
+        ge=0,
+        description="floor of the PREDICTED MTP acceptance length with the adapter / the base's "
+        "(`validate --behaviour`, `run`: pipeline.validate.acceptance); None: a warning below 0.9, not gated",
+    )
+    lora_speed_factor: float = Field(
+        0.93,
+        gt=0,
+        le=1,
+        description="decode tok/s with the LoRA kernels / without, at equal MTP acceptance: the predicted "
+        "speed ratio's cost factor (0.93: the 5-9% measured on the H200, issue 38, docs/drafter.md)",
+    )
     volume_mount: str = Field("/loras", description="where instances see the adapter volume")
     keep_versions: int = Field(2, ge=1, description="version names kept loaded per adapter")
     instances: list[Instance] = Field(default_factory=list)

@@ -134,6 +134,7 @@ def test_layers_point_one_way():
         "pipeline.validate": 3,
         "pipeline.canary": 4,
         "pipeline.merge": 4,
+        "pipeline.draft": 4,
         "pipeline.release": 5,
         "pipeline.jobs": 6,
         "pipeline.dev": 7,
@@ -163,6 +164,7 @@ RULE_MODULES = (
     "served",
     "template_checks",
     "behaviour",
+    "acceptance",
     "train_checks",
 )
 PROTOCOLS = {"Facts", "AdapterFacts", "TrainFacts"}

@@ -321,6 +321,12 @@ def cases(w: World) -> list[Case]:
     add(Case(["canary", P["deep-adapter"], "--staging", f"http://127.0.0.1:{free_port()}"]))
     add(Case(["canary", P["dir"], "--version", "1", "--staging", "not a url"]))
     add(Case(["canary", "ghost", "--staging", "http://127.0.0.1:9", "--instance-path", "/x"]))
+    # draft
+    for n in NAMES:
+        add(Case(["draft", n, "--version", "1"]))
+    add(Case(["draft", "ghost", "--version", "0"]))
+    add(Case(["draft", "ghost", "--version", "1", "--base", P["binary"], "--budget-s", "nan"]))
+    add(Case(["draft", "ghost", "--version", "1", "--base", P["missing"], "--device", "tpu"]))
     # merge
     add(Case(["merge", P["missing"], "--base", P["missing"], "--out", P["out-exists"]]))
     add(Case(["merge", P["bad-adapter"], "--base", P["dir"], "--out", str(w.root / "merged")]))
@@ -509,6 +515,7 @@ def cases(w: World) -> list[Case]:
             ["follow-alias", "--once"],
             ["run", tiny, "--name", "agent"],
             ["canary", "agent", "--staging", "http://127.0.0.1:9"],
+            ["draft", "agent", "--version", "1"],
         ):
             # status and the follower do not read the volume: a broken one is not their error
             harmless = env in VOLUMES and args[0] in ("status", "follow-alias")

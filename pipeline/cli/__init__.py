@@ -45,6 +45,11 @@ COMMANDS: dict[str, tuple[str, bool, str]] = {
     "ui": ("registry", False, "Start the MLflow UI on 127.0.0.1 against the project's store."),
     "canary": ("canary", False, "Parity with PEFT and spec-decode speed of an adapter on a staging vLLM."),
     "merge": ("merge", False, "Merge an adapter into the bf16 base, streamed, gated on parity."),
+    "draft": (
+        "draft",
+        False,
+        "Distil an MTP drafter for a model version: the base's MTP layer trained on the adapter's own outputs.",
+    ),
     "merge-parity": (
         "merge_parity",
         False,

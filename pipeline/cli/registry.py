@@ -50,6 +50,12 @@ def register(
         ),
     ] = False,
     dry_run: DryRunOption = False,
+    behaviour: Annotated[
+        bool,
+        typer.Option(
+            "--behaviour", help="also run validate's --behaviour checks; records the predicted MTP acceptance"
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ):
     """Validate, then record the adapter in MLflow as a model version.
@@ -71,7 +77,7 @@ def register(
             f"(`pipeline publish {name} --version {same.version}`), or register them again as a new version with "
             "--allow-duplicate"
         )
-    rep = validate_with_config(cfg, adapter, base)
+    rep = validate_with_config(cfg, adapter, base, behaviour=behaviour)
     failed = sorted({c.id for c in rep.checks if c.severity == "error"})
     if dry_run:
         plan = {

@@ -192,6 +192,19 @@ def _merged_detail(m: dict | None) -> str:
     return f"{m.get('verdict')}:hot={side('hot')},merged={side('merged')}"
 
 
+def _speed_detail(s: dict | None) -> str:
+    """`AL=1.4/2.1,x0.62,drafter=2.05`: predicted MTP acceptance length adapter/base, decode-speed ratio, drafter's."""
+    if not s:
+        return ""
+    out = []
+    if s.get("acceptance.length_base") is not None:
+        out.append(f"AL={s.get('acceptance.length_adapter')}/{s.get('acceptance.length_base')}")
+        out.append(f"x{s.get('acceptance.speed_ratio')}")
+    if s.get("drafter.length_after") is not None:
+        out.append(f"drafter={s['drafter.length_after']}")
+    return ",".join(out)
+
+
 def _serving(r: dict) -> list[str]:
     return [
         s["instance"] + ("" if s.get("state") in (None, "ok") else f"({s['state']})") for s in r["serving"]
@@ -216,6 +229,7 @@ STATUS_COLUMNS = (
     Column("RUN_ID", lambda r: r["run_id"], wide=True),
     Column("CANARY_DETAIL", lambda r: _canary_detail(r.get("canary")), wide=True),
     Column("MERGED", lambda r: _merged_detail(r.get("merged")), wide=True),
+    Column("MTP_SPEED", lambda r: _speed_detail(r.get("speed")), wide=True),
     # free text last, so the columns before it split on blanks (README "Output for people and for automation")
     Column("GATE_REASON", lambda r: (r.get("gate") or {}).get("reason"), wide=True),
 )

@@ -9,8 +9,9 @@ and publish again instead of being skipped; a publish killed half-way is complet
 publish transaction (`pipeline.release.transaction`). Skips work that changes nothing (a version
 with the same fingerprint that was published: status `skipped`; the config's own checks, which
 read no data, come first: the fleet's rules depend on pipeline.yaml and its environment too), and
-ships only what passes the gates (validation passed; eval loss not worse than production's by more than
-`run.eval_loss_margin`).
+ships only what passes the gates (validation passed; the predicted MTP acceptance ratio not below
+`fleet.min_acceptance_ratio` when that is set (`estimate_speed`, pipeline.validate.acceptance); eval loss not
+worse than production's by more than `run.eval_loss_margin`).
 
 Fingerprint: `pipeline.artifacts.fingerprint` (dataset fingerprint, the config's inputs hash,
 the base identity): the same value `pipeline train` writes into the manifest and every
@@ -51,7 +52,10 @@ from pipeline.release.transaction import checkpoint
 from pipeline.train.config import check_training_config
 from pipeline.train.dataset import files_fingerprint
 from pipeline.train.launch import check_inputs, train, training_setup
-from pipeline.validate import validate_with_config
+from pipeline.validate import default_base, validate_with_config
+from pipeline.validate.acceptance import gate as acceptance_gate
+from pipeline.validate.acceptance import summary as acceptance_summary
+from pipeline.validate.behaviour import estimate_acceptance
 from pipeline.validate.report import FleetRules
 
 FINGERPRINT_TAG = registry.FINGERPRINT_TAG
@@ -175,15 +179,48 @@ def _tag_float(tags: dict, key: str) -> float | None:
         return None
 
 
+def estimate_speed(cfg: ProjectConfig, adapter_dir: Path, stats: dict) -> None:
+    """Put the predicted MTP acceptance (`pipeline.validate.acceptance.summary`) into the validation report's
+    `stats["acceptance"]`, so registration records it on the version: when the fleet drafts with MTP
+    (`fleet.speculative_mtp`) and the base has an MTP layer (a base without one loads nothing)."""
+    base = default_base(cfg, adapter_dir)
+    if not cfg.fleet.speculative_mtp or base is None or "acceptance" in stats:
+        return
+    est = estimate_acceptance(adapter_dir, base)
+    if "unavailable" in est:
+        log.info("MTP acceptance not estimated: %s", est["unavailable"])
+        return
+    stats["acceptance"] = acceptance_summary(est, cfg.fleet.lora_speed_factor)
+    log.info(
+        "predicted MTP acceptance length %s with the adapter, %s for the base (decode x%s)",
+        est["adapter"]["acceptance_length"],
+        est["base"]["acceptance_length"],
+        stats["acceptance"]["speed_ratio"],
+    )
+
+
+def acceptance_reason(cfg: ProjectConfig, tags: dict) -> str | None:
+    """Why the version's predicted MTP acceptance keeps it back (`fleet.min_acceptance_ratio` set), or None."""
+    minimum = cfg.fleet.min_acceptance_ratio
+    if minimum is None or not cfg.fleet.speculative_mtp:
+        return None
+    verdict = acceptance_gate(_tag_float(tags, "acceptance.ratio"), minimum)
+    return verdict[1] if verdict and verdict[0] == "error" else None
+
+
 def _gate(cfg: ProjectConfig, name: str, version: int, report_verdict: str) -> str | None:
-    """Why the candidate must not ship, or None when it may: validation, then eval loss against production
-    (a non-finite eval loss of the candidate holds it back also when nothing is in production)."""
+    """Why the candidate must not ship, or None when it may: validation, the predicted MTP acceptance
+    (`fleet.min_acceptance_ratio`), then eval loss against production (a non-finite eval loss of the candidate
+    holds it back also when nothing is in production)."""
     if report_verdict != "pass":
         return f"validation verdict {report_verdict!r}"
+    candidate = registry.resolve_version(cfg, name, version=version).tags or {}
+    why = acceptance_reason(cfg, candidate)
+    if why:
+        return why
     prod = registry.alias_version(cfg, name, registry.ALIAS_PRODUCTION)
     if prod == version:
         return None
-    candidate = registry.resolve_version(cfg, name, version=version).tags or {}
     production = (registry.resolve_version(cfg, name, version=prod).tags or {}) if prod is not None else {}
     return eval_loss_gate(candidate, production, cfg.run.eval_loss_margin, prod)
 
@@ -415,6 +452,8 @@ def run(
         t = time.time()
         out.stage = "validate"
         report = validate_with_config(cfg, adapter_dir)
+        if report.passed:
+            estimate_speed(cfg, adapter_dir, report.stats)  # recorded on the version; `_gate` reads it
         seconds["validate"] = time.time() - t
 
         t = time.time()

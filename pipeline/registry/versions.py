@@ -16,6 +16,7 @@ from pipeline.errors import UsageError
 from pipeline.interrupt import shielded
 from pipeline.registry.presentation import file_experiment
 from pipeline.registry.presentation import refresh as refresh_ui
+from pipeline.registry.speed import acceptance_tags, with_speed_line
 from pipeline.registry.store import ensure_experiment, flatten_params, mlflow_for
 from pipeline.registry.tags import (  # noqa: F401 - the registry's names, also as registry.versions.X
     ALIAS_CANDIDATE,
@@ -67,7 +68,7 @@ def eval_set_digest(manifest: AdapterManifest) -> str:
 def _describe(manifest: AdapterManifest, report: dict) -> str:
     """The version's description: one paragraph a reviewer reads on the version page."""
     base, served, m = manifest.base_model, manifest.served, manifest.metrics
-    return (
+    text = (
         f"LoRA r={manifest.adapter.r} alpha={manifest.adapter.lora_alpha} "
         f"on base {base.id} @ {base.revision or 'sha256:' + (base.fingerprint or '')[:12]}; "
         f"served on {served.checkpoint} @ {served.revision or 'unpinned'}; "
@@ -76,6 +77,8 @@ def _describe(manifest: AdapterManifest, report: dict) -> str:
         + (f", {m.tokens_per_s:.0f} tokens/s" if m.tokens_per_s is not None else "")
         + f"; weights sha256 {manifest.weights_sha256[:16]}; validation {report.get('verdict', 'unknown')}."
     )[:4900]
+    # the predicted MTP acceptance when validation measured it (`--behaviour`, `pipeline run`): its own line
+    return with_speed_line(text, acceptance_tags((report.get("stats") or {}).get("acceptance")))
 
 
 def version_tags(
@@ -113,6 +116,8 @@ def version_tags(
         tags[FINGERPRINT_TAG] = fp
     if eval_set_digest(manifest):
         tags[EVAL_SET_TAG] = eval_set_digest(manifest)
+    # the predicted MTP acceptance (pipeline.registry.speed) when validation measured it
+    tags |= acceptance_tags((report.get("stats") or {}).get("acceptance"))
     return tags
 
 

@@ -21,6 +21,7 @@ from pipeline.errors import UsageError
 from pipeline.registry.events import events
 from pipeline.registry.presentation import published_path
 from pipeline.registry.read import backend, read_models
+from pipeline.registry.speed import show as show_speed
 from pipeline.registry.store import redact_uri
 from pipeline.registry.versions import ALIAS_PRODUCTION, GATE_REASON_TAG, GATE_VERDICT_TAG
 from pipeline.release.desired import volume_rows
@@ -90,7 +91,9 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
     "reason"}, "eval_loss", "train_loss", "tokens_per_s", "weights_sha256", "published_path",
     "published_time", "run_id", "created", "events", "serving": [{"instance", "state"}],
     "canary": None | {"verdict", "token_agreement", ...}, "merged": None | {"verdict", "hot_tok_s",
-    "merged_tok_s", "hot_acceptance_length", "merged_acceptance_length", "agreement", ...}}]}], "fleet": [...] | None,
+    "merged_tok_s", "hot_acceptance_length", "merged_acceptance_length", "agreement", ...}, "speed": None |
+    {"acceptance.length_base", "acceptance.length_adapter", "acceptance.ratio", "acceptance.speed_ratio",
+    "drafter.length_after", ...} (`pipeline.registry.speed.show`)}]}], "fleet": [...] | None,
     "fleet_error": str | None, "volume": [{"adapter", "desired", "state": drift | corrupt | absent
     | error, "detail"}]}; versions newest first; losses in nats, tokens_per_s per second.
     Raises UsageError: `name` is not a registered model (the message lists those that exist).
@@ -142,6 +145,7 @@ def collect(cfg: ProjectConfig, name: str | None = None, fleet: bool = True) -> 
                     "serving": serving,
                     "canary": _canary(t),
                     "merged": _merged(t),
+                    "speed": show_speed(t),
                 }
             )
         models.append({"name": n, "aliases": rec.aliases, "versions": rows})

@@ -36,6 +36,7 @@ CHECK_MODULES = tuple(
         "served",
         "template_checks",
         "behaviour",
+        "acceptance",
         "train_checks",
     )
 )

@@ -6,7 +6,9 @@ if torch sees one), then
   validation set, with the adapter and with it disabled; the adapter must not be worse;
 - canaries: greedy continuations of fixed prompts must differ from the base's somewhere
   (identical outputs mean the adapter is not applied: zero/near-zero B, wrong scale, or keys
-  that do not match the base's module names).
+  that do not match the base's module names);
+- MTP acceptance: the base's MTP layer drafting for the base and for base + adapter on the validation
+  prompts (`pipeline.validate.acceptance`; its rule `behaviour.acceptance` lives there).
 
 Assistant tokens are found by rendering conversation prefixes with the base tokenizer's
 chat template (the tiny template is prefix-stable, like axolotl's masking assumes).
@@ -20,6 +22,7 @@ from pathlib import Path
 from pipeline.artifacts.bounded import MIB, loads_json
 from pipeline.artifacts.manifest import read_adapter_manifest
 from pipeline.artifacts.peft_model import load_peft
+from pipeline.validate import acceptance
 from pipeline.validate.chat import render_hf
 from pipeline.validate.facts import AdapterFacts
 from pipeline.validate.rules import Issue, check
@@ -178,7 +181,8 @@ class BehaviourUnavailable(Exception):
 
 def evaluate(adapter_dir: Path, base_dir: Path, validation_files: list[Path] | None = None) -> dict:
     """Load base + adapter and measure: {eval_loss_base, eval_loss_adapter, eval_tokens, conversations,
-    validation_files, canaries_identical, canaries_total}. Raises BehaviourUnavailable."""
+    validation_files, canaries_identical, acceptance (`acceptance.measure`: the MTP estimate or why not)}.
+    Raises BehaviourUnavailable."""
     from transformers import AutoTokenizer
 
     try:
@@ -215,7 +219,31 @@ def evaluate(adapter_dir: Path, base_dir: Path, validation_files: list[Path] | N
         base_out = greedy(model, tok)
     same = sum(greedy_matches(model, tok, CANARIES, base_out))
     stats["canaries_identical"] = f"{same}/{len(CANARIES)}"
+    # the speed figure: the base's MTP layer drafting for the base and for base + adapter (validate.acceptance)
+    stats["acceptance"] = acceptance.measure(model, tok, convs, base_dir)
     return stats
+
+
+def estimate_acceptance(
+    adapter_dir: Path, base_dir: Path, validation_files: list[Path] | None = None
+) -> dict:
+    """The MTP acceptance estimate alone (`acceptance.measure`; what `pipeline run` records), or
+    {"unavailable": why}: no `mtp.*` tensors in the base (the model is then not loaded), no validation
+    conversations, base + adapter not loadable."""
+    if not acceptance.has_mtp_layer(base_dir):
+        return {"unavailable": f"{base_dir}: no {acceptance.MTP_PREFIX}* tensors"}
+    files = validation_files if validation_files is not None else validation_files_from_manifest(adapter_dir)
+    convs = _conversations(files)
+    if not convs:
+        return {"unavailable": "no validation conversations to estimate on"}
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(base_dir))
+        model = load_peft(base_dir, adapter_dir, "float32")
+    except Exception as e:  # noqa: BLE001 - reported as why not, as evaluate does
+        return {"unavailable": f"cannot load base + adapter with transformers/peft ({type(e).__name__}: {e})"}
+    return acceptance.measure(model, tok, convs, base_dir)
 
 
 def _result(ctx: AdapterFacts):

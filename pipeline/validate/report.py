@@ -86,6 +86,8 @@ PROFILE_SOURCES: dict[str, tuple[str, str]] = {
     "fully_sharded_loras": ("fleet", "fully_sharded_loras"),
     "speculative_mtp": ("fleet", "speculative_mtp"),
     "loading_mode": ("fleet", "loading_mode"),
+    "min_acceptance_ratio": ("fleet", "min_acceptance_ratio"),
+    "lora_speed_factor": ("fleet", "lora_speed_factor"),
     "vllm_version": ("fleet", "vllm_version"),
     "served_model": ("served", "model"),
     "served_path": ("served", "path"),
@@ -103,7 +105,8 @@ class FleetRules:
     '{"method": "mtp"}'`); `served_model` the exact model string given to `vllm serve` (what the filesystem
     resolver compares with `base_model_name_or_path`); `served_path` a local copy of the served checkpoint
     (config, index, headers and tokenizer only are read); `vllm_version` what the instances run (release or
-    nightly string; `pipeline.serving.versions`). Built from a config by field name (`PROFILE_SOURCES`);
+    nightly string; `pipeline.serving.versions`); `min_acceptance_ratio` the floor of the predicted MTP acceptance
+    ratio and `lora_speed_factor` the LoRA kernels' decode cost factor (`pipeline.validate.acceptance`). Built from a config by field name (`PROFILE_SOURCES`);
     `profile()` is what a verdict is bound to.
     """
 
@@ -113,6 +116,8 @@ class FleetRules:
     fully_sharded_loras: bool = False
     speculative_mtp: bool = True
     loading_mode: str = "api"
+    min_acceptance_ratio: float | None = None
+    lora_speed_factor: float = 0.93
     served_model: str | None = None
     served_path: Path | None = None
     served_checkpoint: str | None = None

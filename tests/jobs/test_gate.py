@@ -208,3 +208,28 @@ def test_a_canary_floor_never_reads_as_met():
     with pytest.raises(CheckFailed) as e:
         canary_gate(cfg, mv)
     assert "canary speed_ratio 0.7996 is below canary.min_speed_ratio 0.8" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "floor, tags, gated",
+    [
+        (None, {"acceptance.ratio": "0.2"}, None),  # unset: validate warns, run does not gate
+        (0.8, {"acceptance.ratio": "0.9"}, None),
+        (
+            0.8,
+            {"acceptance.ratio": "0.5"},
+            "predicted MTP acceptance ratio 0.5 < fleet.min_acceptance_ratio 0.8",
+        ),
+        (0.8, {}, "MTP acceptance not estimated while fleet.min_acceptance_ratio is 0.8"),
+    ],
+)
+def test_the_predicted_acceptance_gate_of_pipeline_run(floor, tags, gated):
+    """Issue 38 item 1: `fleet.min_acceptance_ratio` keeps `pipeline run`'s candidate back (exit 5) when set."""
+    from types import SimpleNamespace
+
+    from pipeline.jobs.run import acceptance_reason
+
+    cfg = SimpleNamespace(fleet=SimpleNamespace(min_acceptance_ratio=floor, speculative_mtp=True))
+    assert acceptance_reason(cfg, tags) == gated
+    cfg.fleet.speculative_mtp = False  # a fleet that does not draft has no acceptance to lose
+    assert acceptance_reason(cfg, tags) is None

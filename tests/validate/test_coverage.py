@@ -38,6 +38,9 @@ BESPOKE = {
         "behaviour.skipped",
     ],
     "tests/validate/test_validate_fleet.py::test_behaviour_without_validation_data": ["behaviour.no_data"],
+    "tests/validate/test_acceptance.py::test_validate_behaviour_reports_and_gates_the_estimate": [
+        "behaviour.acceptance"
+    ],
     "tests/train/test_training_config.py::test_unservable_settings_refused": ["train.unpinned_base"],
 }
 
