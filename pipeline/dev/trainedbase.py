@@ -204,8 +204,9 @@ def build_trained_base(
         greedy_prompts / prompt_len / new_tokens: held-out prompts continued greedily for the
             acceptance estimate an engine would see.
 
-    Raises UsageError for a `device="cuda"` without a GPU, `layers` not a multiple of 4, a corpus too
-    small for one held-out window, or an `out` that may not be written (nothing written then).
+    Raises UsageError for a `device="cuda"` without a GPU, `layers` not a multiple of 4, a width not a
+    multiple of 64, a corpus folder that is missing or too small for one held-out window, or an `out` that
+    may not be written (nothing written then).
     """
     import torch
 
@@ -215,7 +216,10 @@ def build_trained_base(
         )
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
-    geometry(hidden, vocab_size)  # ValueError early for a bad width
+    try:
+        geometry(hidden, vocab_size)
+    except ValueError as e:
+        raise UsageError(f"--hidden {hidden}: {e}") from None
     with write_whole(out) as partial:
         report = _build(
             partial, **{k: v for k, v in locals().items() if k not in ("out", "partial", "torch")}
