@@ -81,6 +81,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     "merge-parity": [
         ("merged vs hot-loaded", "pipeline merge-parity MERGED_DIR --merged http://127.0.0.1:8001")
     ],
+    "draft": [
+        ("a drafter for version 3, trained on the GPU", "pipeline draft my-task --version 3 --device cuda"),
+        ("on CPU, a short budget (the tiny base)", "pipeline draft my-task --version 3 --budget-s 60"),
+    ],
     "run": [
         ("the nightly job", "pipeline run my-task.yml --name my-task"),
         ("would it skip, ship or train?", "pipeline run my-task.yml --name my-task --dry-run"),
