@@ -21,6 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.artifacts.atomic import write_json_atomic
 from pipeline.artifacts.safetensors import read_safetensors_header
 from pipeline.errors import UsageError
 from pipeline.validate.acceptance import MTP_PREFIX, checkpoint_shards
@@ -56,8 +57,6 @@ def drafter_checkpoint(served: Path, drafter: Path, out: Path) -> dict:
     import torch  # noqa: F401  (safetensors' torch backend)
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from pipeline.artifacts.atomic import write_json_atomic
 
     served, drafter, out = Path(served), Path(drafter), Path(out)
     if not served.is_dir():
