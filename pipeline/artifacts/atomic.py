@@ -42,6 +42,23 @@ def write_json_atomic(path: Path, data: dict) -> None:
     fsync_dir(path.parent)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) via a temp file in the same directory, fsync, rename (POSIX-atomic); mode 0644."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def seal_tree(root: Path) -> None:
     """Make files world-readable and read-only (0444, dirs 0555) and fsync them.
 

@@ -129,6 +129,37 @@ class QuantDevice(StrEnum):
     cuda = "cuda"
 
 
+class Task(StrEnum):
+    toolcall = "toolcall"  # a tool call in the chat template's format; metric tool_call
+    snake = "snake"  # words -> snake_case identifier; metric exact_match
+
+
+@app.command("task-data")
+def task_data(
+    task: Annotated[Task, typer.Argument(help="toolcall or snake")],
+    out: Annotated[Path, typer.Argument(help="directory for TASK_train.jsonl and TASK_validation.jsonl")],
+    train: Annotated[int, typer.Option(min=1, max=1_000_000, help="training conversations")] = 1200,
+    validation: Annotated[int, typer.Option(min=1, max=10_000, help="held-out conversations")] = 64,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="random seed")] = 0,
+    json_out: JsonOption = False,
+):
+    """Write a stand-in task's chat-format training and held-out data (a task metric to train an adapter for).
+
+    Examples:
+      pipeline dev task-data toolcall datasets/tasks
+      pipeline dev task-data snake /tmp/tasks --train 2000
+    """
+    from pipeline.dev.tasks import write_task_data
+
+    res = write_task_data(task.value, out, train, validation, seed)
+    if json_out:
+        emit_json(res)
+    else:
+        typer.echo(
+            f"wrote {res['n_train']} + {res['n_validation']} {task.value} conversations to {out} (metric {res['metric']})"
+        )
+
+
 @app.command("served-base")
 def served_base(
     src: Annotated[Path, typer.Argument(help="bf16 checkpoint (e.g. written by `pipeline dev real-base`)")],
