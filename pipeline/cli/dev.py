@@ -13,6 +13,7 @@ from pipeline.cli.render import Column, Output, print_rows
 from pipeline.dev.demo import run_demo
 from pipeline.dev.realbase import DEFAULT_SHARD_GB, build_real_base
 from pipeline.dev.servedbase import build_served_base
+from pipeline.dev.tasks import write_task_data
 from pipeline.dev.tinybase import build_tiny_base
 from pipeline.dev.trainedbase import build_trained_base
 
@@ -149,7 +150,6 @@ def task_data(
       pipeline dev task-data toolcall datasets/tasks
       pipeline dev task-data snake /tmp/tasks --train 2000
     """
-    from pipeline.dev.tasks import write_task_data
 
     res = write_task_data(task.value, out, train, validation, seed)
     if json_out:
