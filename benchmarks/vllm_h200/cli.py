@@ -31,6 +31,8 @@ def main() -> None:
     )
     r.add_argument("--base", type=Path, help="a prebuilt bf16 base (e.g. `pipeline dev trained-base`) instead of "
                    "building the random real8; required by plan trained")  # fmt: skip
+    r.add_argument("--task-adapters", type=Path, help="adapters.json of benchmarks/trained_adapters.py: task "
+                   "adapters loaded in plan trained's engines (and a drafter engine when one has a drafter)")  # fmt: skip
     g = sub.add_parser("argv")
     g.add_argument("--plan", choices=sorted(PLANS), default="main")
     g.add_argument("--work", type=Path, default=Path("/tmp/vw"))
@@ -61,6 +63,12 @@ def main() -> None:
     if a.adapters:
         ctx.adapters_given = [p.resolve() for p in a.adapters]
     ctx.attach = dict(x.split("=", 1) for x in a.attach) or None
+    if a.task_adapters is not None:
+        if not a.task_adapters.is_file():
+            ap.error(
+                f"--task-adapters {a.task_adapters}: no such file (benchmarks/trained_adapters.py writes it)"
+            )
+        ctx.facts["task_adapters"] = json.loads(a.task_adapters.read_text())
     try:
         rec = run(ctx)
     finally:

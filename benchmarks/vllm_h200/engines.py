@@ -195,7 +195,7 @@ def gpu_apps() -> list[dict] | None:
 # plan trained --------------------------------------------------------------------------------------------------------
 # On a prebuilt trained base (`--base DIR`, `pipeline dev trained-base`): the bf16 engine, then the NVFP4
 # build, then the NVFP4 engine, one at a time on the GPU; greedy agreement, MTP acceptance, decode speed.
-TRAINED_PORTS = {"tb-bf16": 8121, "tb-nvfp4": 8122}
+TRAINED_PORTS = {"tb-bf16": 8121, "tb-nvfp4": 8122, "tb-nvfp4-drafter": 8123}
 
 
 def exclusive_flags(kv_gib: float = 16.0, util: float = 0.90) -> list[str]:
@@ -204,13 +204,32 @@ def exclusive_flags(kv_gib: float = 16.0, util: float = 0.90) -> list[str]:
     return ["--gpu-memory-utilization", str(util), "--kv-cache-memory-bytes", str(int(kv_gib * GIB))]
 
 
+def drafter_checkpoint_of(ctx: Ctx) -> tuple[str, str] | None:
+    """(task, served checkpoint with that task's drafter in place) for the first task adapter that has one
+    (toolcall first)."""
+    ads = ctx.facts.get("task_adapters") or {}
+    for t, a in sorted(ads.items(), key=lambda x: x[0] != "toolcall"):
+        ck = (a.get("drafter") or {}).get("checkpoint")
+        if ck and Path(ck).is_dir():
+            return t, ck
+    return None
+
+
 def trained_engines(ctx: Ctx) -> dict[str, Engine]:
-    """Plan `trained`: the base in bf16 and its NVFP4 build, each with the fleet's flags and MTP x3."""
+    """Plan `trained`: the base in bf16 and its NVFP4 build, each with the fleet's flags and MTP x3, the task
+    adapters loaded at start; and, when a task adapter has a drafter checkpoint, the NVFP4 engine drafting with
+    it (`speculative_config.model`: vLLM's draft model path, vllm/config/speculative.py). Adapters are loaded
+    at run time (`/v1/load_lora_adapter`, as `pipeline publish` does), once the engine is up."""
     bf16 = [a for a in fleet_flags() if a not in ("--quantization", "modelopt")]
-    return {
+    out = {
         "tb-bf16": Engine("tb-bf16", ctx.bf16, bf16 + exclusive_flags(), ctx.bf16.name),
         "tb-nvfp4": Engine("tb-nvfp4", ctx.nvfp4, fleet_flags() + exclusive_flags(), ctx.nvfp4.name),
     }
+    if (d := drafter_checkpoint_of(ctx)) is not None:
+        flags = fleet_flags()
+        flags[flags.index("--speculative-config") + 1] = json.dumps(SPEC_MTP | {"model": d[1]})
+        out["tb-nvfp4-drafter"] = Engine("tb-nvfp4-drafter", ctx.nvfp4, flags + exclusive_flags(), ctx.nvfp4.name)  # fmt: skip
+    return out
 
 
 FLEET64_PORT = 8131

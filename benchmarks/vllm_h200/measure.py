@@ -79,12 +79,15 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-def _pass(url: str, model: str, prompts: list, max_tokens: int) -> dict:
-    """One timed pass: `prompts` sent at once, greedy, `max_tokens` each (EOS ignored); /metrics around it."""
+def _pass(url: str, model: str, prompts: list, max_tokens: int, ignore_eos: bool = True) -> dict:
+    """One timed pass: `prompts` sent at once, greedy, `max_tokens` each (EOS ignored unless `ignore_eos` is
+    False); /metrics around it."""
     before, pb = _scrape(url)
     t = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(lambda p: complete(url, model, p, max_tokens, ignore_eos=True), prompts))
+        replies = list(
+            pool.map(lambda p: complete(url, model, p, max_tokens, ignore_eos=ignore_eos), prompts)
+        )
     wall = time.perf_counter() - t
     tokens = sum(r["usage"]["completion_tokens"] for r in replies)
     deadline = time.monotonic() + 3
@@ -100,8 +103,9 @@ def _pass(url: str, model: str, prompts: list, max_tokens: int) -> dict:
 
 
 def decode(url: str, model: str, batch: int, max_tokens: int, prompt_len: int = 48, seed: int = 1, *, ids=DEFAULT_IDS,
-           repeats: int = REPEATS, pool: list | None = None) -> dict:  # fmt: skip
-    """Decode speed of `model` with `batch` concurrent greedy requests of `max_tokens` (EOS ignored):
+           repeats: int = REPEATS, pool: list | None = None, ignore_eos: bool = True) -> dict:  # fmt: skip
+    """Decode speed of `model` with `batch` concurrent greedy requests of `max_tokens` (EOS ignored; with
+    `ignore_eos=False` each answer ends at its EOS, as real traffic does, and tok_s counts what came):
     one untimed warm-up pass of the same shape (CUDA graphs, Triton kernels, the LoRA slot), then
     `repeats` timed passes, each on prompts of its own (no prefix-cache hit between passes).
 
@@ -117,15 +121,16 @@ def decode(url: str, model: str, batch: int, max_tokens: int, prompt_len: int = 
             return [pool[(r * batch + j) % len(pool)] for j in range(batch)]
         return random_prompts(batch, prompt_len, ids, seed=seed + 1000 * r)
 
-    _pass(url, model, prompts(0), max_tokens)  # warm-up
+    _pass(url, model, prompts(0), max_tokens, ignore_eos)  # warm-up
     apps = gpu_apps()
-    runs = [_pass(url, model, prompts(r), max_tokens) for r in range(1, repeats + 1)]
+    runs = [_pass(url, model, prompts(r), max_tokens, ignore_eos) for r in range(1, repeats + 1)]
     tok_s = [x["tokens"] / x["wall_s"] for x in runs]
     s = _spec(runs[0]["before"][0], runs[-1]["after"][0], runs[0]["before"][1], runs[-1]["after"][1])
     return {
         "model": model,
         "batch": batch,
         "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
         "repeats": repeats,
         "tokens": sum(x["tokens"] for x in runs),
         "wall_s": round(sum(x["wall_s"] for x in runs), 3),
@@ -203,6 +208,23 @@ def greedy(url: str, model: str, prompts: list, k: int) -> dict:
     time.sleep(0.5)
     after, pa = _scrape(url)
     return {"tokens": ids, **_spec(before, after, pb, pa)}
+
+
+def answers(url: str, model: str, prompts: list, k: int, stop_ids=()) -> dict:
+    """Each prompt's greedy answer (token ids, at most `k`, ending at EOS as served traffic does; trailing
+    `stop_ids` dropped so that engine and reference compare the same tokens), one request at a time, with MTP
+    acceptance from the /metrics difference over the pass."""
+    before, pb = _scrape(url)
+    out = []
+    for p in prompts:
+        r = complete(url, model, p, k, logprobs=1, return_tokens_as_token_ids=True)
+        ids = [int(t.split(":", 1)[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+        while ids and ids[-1] in stop_ids:
+            ids.pop()
+        out.append(ids)
+    time.sleep(0.5)
+    after, pa = _scrape(url)
+    return {"tokens": out, **_spec(before, after, pb, pa)}
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:

@@ -35,7 +35,7 @@ from .stages import (
     st_served,
     st_train,
 )
-from .trained import st_tb_bf16, st_tb_build, st_tb_nvfp4
+from .trained import st_tb_bf16, st_tb_build, st_tb_drafter, st_tb_nvfp4
 
 # (stage, function, estimated seconds: skipped when fewer are left before the deadline)
 PLANS = {
@@ -75,7 +75,7 @@ PLANS = {
     # on a prebuilt base (--base DIR, e.g. `pipeline dev trained-base`): one engine on the GPU at a time
     "trained": [
         ("host", st_host, 10), ("base", st_base, 10), ("mtp", st_mtp, 120), ("tb_bf16", st_tb_bf16, 240),
-        ("tb_build", st_tb_build, 180), ("tb_nvfp4", st_tb_nvfp4, 240),
+        ("tb_build", st_tb_build, 180), ("tb_nvfp4", st_tb_nvfp4, 240), ("tb_drafter", st_tb_drafter, 200),
     ],
     "smoke": [
         ("host", st_host, 5), ("base", st_base, 60), ("mtp", st_mtp, 120), ("launch", st_launch, 10),
@@ -93,7 +93,7 @@ NEEDS = {
     "decode": ["publish"], "mtp_check": ["mtp", "engines"], "publish2": ["publish"], "stale_kv": ["publish2"], "canary_served": ["publish"],
     "merged": ["train", "publish"], "staging_bf16": ["train", "register"],
     "sweep": ["register"], "build64": ["base64"], "decode64": ["build64", "adapter64"], "publish_latency": ["publish"], "prep_wait": ["launch"],
-    "tb_bf16": ["base", "mtp"], "tb_build": ["base", "mtp"], "tb_nvfp4": ["tb_build"],
+    "tb_bf16": ["base", "mtp"], "tb_build": ["base", "mtp"], "tb_nvfp4": ["tb_build"], "tb_drafter": ["tb_build"],
 }  # fmt: skip
 
 

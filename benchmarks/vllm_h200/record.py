@@ -107,7 +107,7 @@ def assemble(ctx: Ctx, done: dict[str, dict]) -> dict:
         if ctx.plan == "fleet64"
         else None,
         "trained": trained_summary(
-            r("base") if ctx.base_given else None, r("tb_bf16"), r("tb_build"), r("tb_nvfp4")
+            r("base") if ctx.base_given else None, r("tb_bf16"), r("tb_build"), r("tb_nvfp4"), r("tb_drafter")
         ),
         "stages": {
             k: {
@@ -234,12 +234,21 @@ def _speed_lines(rec: dict) -> list[str]:
         out += _rows("64-layer NVFP4, no MTP", f64.get("decode"))
     if (tb := rec.get("trained")) is not None:
         agree = ((tb.get("nvfp4_vs_bf16") or {}).get("agreement")) or {}
-        for k in ("bf16", "nvfp4"):
+        for k in ("bf16", "nvfp4", "nvfp4_drafter"):
             e = tb.get(k) or {}
             dec = {b: d.get("tok_s") for b, d in (e.get("decode") or {}).items()}
             out.append(
                 f"trained base, {k}: acceptance length {e.get('greedy_acceptance_length')}, decode tok/s {dec}"
             )
+            for t, a in (e.get("adapters") or {}).items():
+                if isinstance(a, dict) and "task_metric" in a:
+                    out.append(f"  adapter {t}: {a['task_metric']}, vs PEFT fp32 {a['token_agreement_vs_peft_fp32']}, "
+                               f"acceptance length {a['acceptance_length']}")  # fmt: skip
+            for b, d in (e.get("decode_adapter") or {}).items():
+                if isinstance(d, dict):
+                    out.append(
+                        f"  adapter decode b{b}: {d.get('tok_s')} tok/s, acceptance {d.get('acceptance_length')}"
+                    )
         out.append(f"trained base, NVFP4 vs bf16 greedy: token agreement {agree.get('token_agreement')}, "
                    f"prefix agreement {agree.get('prefix_agreement')}")  # fmt: skip
     return out

@@ -69,7 +69,7 @@ if ! grep -q '^axolotl ' "$OUT/host.txt"; then
 fi
 
 PYTHONPATH=$TRAIN_SITE:$ROOT timeout -k 10 $((DEADLINE + 45)) python3 benchmarks/vllm_h200.py run "$PLAN" \
-    --work "$WORK" --out "$OUT" --deadline-s "$DEADLINE" ${BASE:+--base "$BASE"} 2>&1 | tee "$OUT/driver.log"
+    --work "$WORK" --out "$OUT" --deadline-s "$DEADLINE" ${BASE:+--base "$BASE"} ${TASK_ADAPTERS:+--task-adapters "$TASK_ADAPTERS"} 2>&1 | tee "$OUT/driver.log"
 rc=${PIPESTATUS[0]}
 el "driver exit $rc"
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null

@@ -211,6 +211,7 @@ def test_trained_plan_stages_and_command_lines(tiny_vl_base, tmp_path):
         "tb_bf16",
         "tb_build",
         "tb_nvfp4",
+        "tb_drafter",
     ]
     argvs = plans.engine_argvs("trained", tmp_path / "w", base)
     bf, nv = argvs["tb-bf16"], argvs["tb-nvfp4"]
@@ -352,7 +353,7 @@ def test_timed_rows_come_after_the_stages_that_need_other_engines():
     assert names["main2"][-1] == "staging_bf16" and "merged" not in names["main2"]
     assert names["sweep"][-2:] == ["publish_latency", "sweep"] and "sweep_start" not in names["sweep"]
     assert names["fleet64"] == ["host", "base64", "build64", "adapter64", "decode64"]
-    assert names["trained"][-3:] == ["tb_bf16", "tb_build", "tb_nvfp4"]
+    assert names["trained"][-4:] == ["tb_bf16", "tb_build", "tb_nvfp4", "tb_drafter"]
 
 
 def test_sweep_engines_one_setting_each_sized_to_the_adapter(tmp_path):
@@ -512,3 +513,74 @@ def test_trained_plan_stops_each_engine_before_the_next_and_compares_greedy_toke
     os.utime(base / "trained_base.json", (1, 1))  # the base changed: the bf16 result is not its
     with pytest.raises(RuntimeError, match="another base"):
         trained.st_tb_nvfp4(ctx)
+
+
+def _task_adapters(tmp_path, drafter: bool = True) -> dict:
+    ck = tmp_path / "served-drafter-toolcall"
+    ck.mkdir(parents=True, exist_ok=True)
+    return {
+        "snake": {"adapter": str(tmp_path / "a-snake"), "drafter": {"checked": False}},
+        "toolcall": {
+            "adapter": str(tmp_path / "a-tool"),
+            "drafter": {"checked": True, **({"checkpoint": str(ck)} if drafter else {})},
+        },
+    }
+
+
+def test_trained_plan_waits_for_the_task_adapters_and_drafts_with_their_drafter(tiny_vl_base, tmp_path):
+    """benchmarks/trained_adapters.py runs in the background while the engine starts: the stages wait for its
+    `.done` marker (measuring the base alone when it does not come); a task adapter's drafter checkpoint adds
+    the engine that drafts with it (`speculative_config.model`), the fleet's flags otherwise."""
+    base = _trained_base(tiny_vl_base, tmp_path / "tb")
+    ctx = context.Ctx("trained", tmp_path / "w", tmp_path / "o", 1e9, gpu=True, base_given=base)
+    p = tmp_path / "ta" / "adapters.json"
+    p.parent.mkdir()
+    ctx.facts["task_adapters_path"] = p
+    p.write_text(json.dumps(_task_adapters(tmp_path)))
+    assert trained.task_adapters(ctx, wait_s=0) == {}  # not done yet: the base only
+    assert "tb-nvfp4-drafter" not in engines.trained_engines(ctx)
+    with pytest.raises(RuntimeError, match="no task adapter has a drafter checkpoint"):
+        trained.st_tb_drafter(ctx)
+    (p.parent / "adapters.json.done").write_text("{}")
+    assert set(trained.task_adapters(ctx, wait_s=0)) == {"snake", "toolcall"}
+    e = engines.trained_engines(ctx)["tb-nvfp4-drafter"]
+    spec = json.loads(e.args[e.args.index("--speculative-config") + 1])
+    assert spec == engines.SPEC_MTP | {"model": str(tmp_path / "served-drafter-toolcall")}
+    assert e.model == ctx.nvfp4 and e.args[e.args.index("--quantization") + 1] == "modelopt"
+    assert engines.drafter_checkpoint_of(ctx)[0] == "toolcall"
+    ctx.facts["task_adapters"] = _task_adapters(tmp_path, drafter=False)
+    assert engines.drafter_checkpoint_of(ctx) is None
+
+
+def test_task_pass_scores_the_engines_answers_against_peft(tiny_vl_base, tmp_path, monkeypatch):
+    """An adapter's answers on an engine: the task metric from the base's tokenizer, token agreement with the
+    PEFT reference in bf16 and float32 (EOS dropped on both sides), acceptance from the pass."""
+    from tokenizers import Tokenizer
+
+    from pipeline.canary.task import expected_text
+
+    base = _trained_base(tiny_vl_base, tmp_path / "tb")
+    ctx = context.Ctx("trained", tmp_path / "w", tmp_path / "o", 1e9, gpu=True, base_given=base)
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    want = expected_text({"content": "max_retry_count"})
+    ids = tok.encode(want, add_special_tokens=False).ids
+    eos = sorted(trained._stop_ids(base))[0]
+    engine_answers = [ids, ids[:-1] + [ids[0]]]  # the second answer's last token differs
+
+    def fake_answers(url, model, prompts, k, stop_ids=()):
+        assert model == "snake" and eos in stop_ids
+        return {"tokens": engine_answers, "acceptance_length": 2.5, "acceptance_rate": 0.5,
+                "acceptance_per_position": [0.7, 0.5, 0.3]}  # fmt: skip
+
+    monkeypatch.setattr(trained, "answers", fake_answers)
+    a = {"metric": "exact_match", "prompts": [[1, 2], [3, 4]], "expected": [want, want],
+         "reference": {d: {"tokens": [ids + [eos], ids + [eos]], "metric": {"exact_match": 1.0}}
+                       for d in ("bfloat16", "float32")}}  # fmt: skip
+    got = trained.task_pass(ctx, "http://x", "snake", a)
+    assert got["metric"]["exact_match"] == 0.5 and got["metric"]["n"] == 2
+    n = 2 * len(ids)
+    assert got["vs_peft_fp32"]["token_agreement"] == round((n - 1) / n, 4)
+    assert got["vs_peft_bf16"]["identical_sequences"] == 1 and got["acceptance_length"] == 2.5
+    summary = trained.trained_summary(None, {"greedy": {}, "adapters": {"snake": got}}, None, None)
+    row = summary["bf16"]["adapters"]["snake"]
+    assert row["task_metric"]["exact_match"] == 0.5 and row["token_agreement_vs_peft_fp32"] < 1.0
