@@ -171,7 +171,7 @@ def drafter(task, model, tok, data, val, state, adapter: Path, args, work: Path)
     from pipeline.draft.distillation import distil
 
     st, rep = distil(model, tok, _convs(data["train"]), val, state, budget_s=args.draft_budget_s,
-                     max_steps=args.draft_max_steps)  # fmt: skip
+                     max_steps=args.draft_max_steps, max_prompts=args.draft_prompts)  # fmt: skip
     rec = DrafterRecord(
         name=f"task-{task}", version=1, base=str(args.base), reference=str(args.served or args.base), sha256="",
         acceptance_before=rep["before"], acceptance_after=rep["after"], data_sha256=rep["data_sha256"],
@@ -213,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=64, help="greedy tokens at most per reference answer")
     ap.add_argument("--draft-budget-s", type=float, default=60.0, help="seconds of drafter training; 0: none")
     ap.add_argument("--draft-max-steps", type=int, default=None)
+    ap.add_argument("--draft-prompts", type=int, default=256, help="training prompts of the drafter at most")
     ap.add_argument(
         "--adapter", action="append", default=[], metavar="TASK=DIR", help="use this adapter, no training"
     )
