@@ -63,12 +63,10 @@ def main() -> None:
     if a.adapters:
         ctx.adapters_given = [p.resolve() for p in a.adapters]
     ctx.attach = dict(x.split("=", 1) for x in a.attach) or None
-    if a.task_adapters is not None:
-        if not a.task_adapters.is_file():
-            ap.error(
-                f"--task-adapters {a.task_adapters}: no such file (benchmarks/trained_adapters.py writes it)"
-            )
-        ctx.facts["task_adapters"] = json.loads(a.task_adapters.read_text())
+    if a.task_adapters is not None:  # may still be in the making: the stages wait for its `.done` marker
+        if not a.task_adapters.parent.is_dir():
+            ap.error(f"--task-adapters {a.task_adapters}: no such directory (benchmarks/trained_adapters.py WORK)")
+        ctx.facts["task_adapters_path"] = a.task_adapters.resolve()
     try:
         rec = run(ctx)
     finally:

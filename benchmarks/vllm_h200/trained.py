@@ -132,7 +132,7 @@ def _adapter_rows(ctx: Ctx, e, prompts: list, res: dict, base_rows: bool = True)
     """The task adapters on engine `e`: each one's task pass, then the decode rows of the first (toolcall when
     it trained): on the held-out corpus prompts (the base rows' prompts: the LoRA kernels' cost and the drafts'
     acceptance on the same text) and on its own task prompts, EOS ending each answer (its real traffic)."""
-    ads = {t: a for t, a in task_adapters(ctx, wait_s=420).items() if a.get("adapter")}
+    ads = {t: a for t, a in task_adapters(ctx, wait_s=ctx.left() - 150).items() if a.get("adapter")}
     if not ads:
         return
     for t, a in ads.items():
