@@ -5,6 +5,8 @@ of plan `trained` (benchmarks/vllm_h200/trained.py), which read what this writes
 
   python benchmarks/trained_adapters.py BASE WORK [--served NVFP4] [--device cuda] [--steps 150]
          [--draft-budget-s 60] [--tasks toolcall,snake] [--prompts 32]
+  python benchmarks/trained_adapters.py --smoke   # CPU, seconds: the tiny VL base, a random LoRA (no training),
+                                                  # 2 prompts, a 30-step drafter and its served checkpoint
 
 For each task of `pipeline.dev.tasks` (issue 36 item 2, issue 38 items 1-2):
 1. `pipeline dev task-data TASK` then `pipeline train` (axolotl) of an r16 LoRA on BASE, the shipped config's
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -171,7 +174,7 @@ def drafter(task, model, tok, data, val, state, adapter: Path, args, work: Path)
     from pipeline.draft.distillation import distil
 
     st, rep = distil(model, tok, _convs(data["train"]), val, state, budget_s=args.draft_budget_s,
-                     max_steps=args.draft_max_steps, max_prompts=args.draft_prompts)  # fmt: skip
+                     max_steps=args.draft_max_steps, max_prompts=args.draft_prompts, lr=args.draft_lr)  # fmt: skip
     rec = DrafterRecord(
         name=f"task-{task}", version=1, base=str(args.base), reference=str(args.served or args.base), sha256="",
         acceptance_before=rep["before"], acceptance_after=rep["after"], data_sha256=rep["data_sha256"],
@@ -195,7 +198,48 @@ def drafter(task, model, tok, data, val, state, adapter: Path, args, work: Path)
     return out
 
 
+def smoke_args(tmp: Path) -> list[str]:
+    """The CPU smoke's arguments: the tiny VL base (`pipeline dev tiny-base --layout vl`, MTP layer included),
+    its NVFP4 build, and a random r8 LoRA on its language model's q/v (axolotl's VL path needs torchvision,
+    which the CPU suite does not install: `--adapter` stands in for the training step)."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from pipeline.dev.tinybase import build_tiny_base, build_tiny_served
+
+    base = build_tiny_base(tmp / "base", layout="vl")
+    served = build_tiny_served(base, tmp / "served")
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(base), dtype=torch.float32)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    pm = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    pm.save_pretrained(str(tmp / "adapter"))
+    return [str(base), str(tmp / "work"), "--served", str(served), "--device", "cpu", "--tasks", "toolcall",
+            "--adapter", f"toolcall={tmp / 'adapter'}", "--train-rows", "8", "--prompts", "2", "--max-new", "6",
+            "--draft-budget-s", "60", "--draft-max-steps", "30", "--draft-lr", "1e-2", "--draft-prompts", "8"]  # fmt: skip
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--smoke"]:
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="trained-adapters-smoke-"))
+        try:
+            rc = main(smoke_args(tmp) + argv[1:])
+            got = json.loads((tmp / "work" / "adapters.json").read_text())["toolcall"]
+            assert "error" not in got, got["error"]
+            print(f"smoke: toolcall reference {got['reference']['bfloat16']['metric']['n']} answers, estimate "
+                  f"ratio {got['estimate'].get('acceptance_ratio')}, drafter checked {got['drafter']['checked']}"
+                  f", checkpoint {'checkpoint' in got['drafter'] or got['drafter'].get('refused', '')[:80]}")  # fmt: skip
+            return rc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", type=Path)
     ap.add_argument("work", type=Path)
@@ -213,6 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=64, help="greedy tokens at most per reference answer")
     ap.add_argument("--draft-budget-s", type=float, default=60.0, help="seconds of drafter training; 0: none")
     ap.add_argument("--draft-max-steps", type=int, default=None)
+    ap.add_argument("--draft-lr", type=float, default=1e-4, help="the drafter's AdamW learning rate")
     ap.add_argument("--draft-prompts", type=int, default=256, help="training prompts of the drafter at most")
     ap.add_argument(
         "--adapter", action="append", default=[], metavar="TASK=DIR", help="use this adapter, no training"

@@ -508,6 +508,15 @@ def cases(w: World) -> list[Case]:
     add(Case(["dev", "trained-base", ".", "--device", "cpu"]))
     add(Case(["dev", "trained-base", "/proc/no-such-dir/x", "--device", "cpu"]))
     add(Case(["dev", "trained-base", P["devnull"], "--device", "cpu"]))
+    td = str(w.root / "tasks")
+    add(Case(["dev", "task-data", "bogus", td]))
+    add(Case(["dev", "task-data", "toolcall", P["devnull"]]))  # a file, not a directory
+    add(Case(["dev", "task-data", "snake", P["empty"]]))
+    add(Case(["dev", "task-data", "snake", "/proc/no-such-dir/x"]))
+    add(Case(["dev", "task-data", "snake", "/proc/self/status/x"]))  # a parent that is a file
+    add(Case(["dev", "task-data", "toolcall", td, "--train", "0"]))
+    add(Case(["dev", "task-data", "toolcall", td, "--validation", BIG]))
+    add(Case(["dev", "task-data", "toolcall", td, "--seed", "-1"]))
     add(Case(["dev", "served-base", P["missing"], str(w.root / "sb")]))
     add(Case(["dev", "served-base", P["deep-adapter"], str(w.root / "sb2")]))
     add(Case(["dev", "served-base", P["dir"], P["devnull"]]))

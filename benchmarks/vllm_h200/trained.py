@@ -238,10 +238,13 @@ def st_tb_nvfp4(ctx: Ctx) -> dict:
     return res
 
 
+DRAFTER_WAIT_S = 420.0  # the drafters train after the adapters: how long stage tb_drafter waits for them
+
+
 def st_tb_drafter(ctx: Ctx) -> dict:
     """The NVFP4 engine drafting with a task adapter's own drafter (its served checkpoint with the drafter's
     `mtp.*`, `speculative_config.model`), alone on the GPU: the same base and adapter rows as stage tb_nvfp4."""
-    task_adapters(ctx, wait_s=420)
+    task_adapters(ctx, wait_s=DRAFTER_WAIT_S)
     if "tb-nvfp4-drafter" not in trained_engines(ctx):
         raise RuntimeError(
             "no task adapter has a drafter checkpoint (benchmarks/trained_adapters.py --served)"

@@ -101,8 +101,6 @@ def trained_base(
     one MTP layer (`mtp.*`), trained on the installed packages' sources and docs with LM + MTP loss
     (the MTP layer fed as vLLM's `qwen3_5_mtp` feeds it). Writes the checkpoint and `trained_base.json`
     (corpus sha256, held-out perplexity, MTP agreement per draft position).
-
-    Example: pipeline dev trained-base /dev/shm/tb --layers 8 --hidden 1024 --minutes 4 --device cuda
     """
     rep = build_trained_base(
         out, layers=layers, hidden=hidden, minutes=minutes, device=device.value, corpus_roots=corpus,
@@ -144,13 +142,7 @@ def task_data(
     seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="random seed")] = 0,
     json_out: JsonOption = False,
 ):
-    """Write a stand-in task's chat-format training and held-out data (a task metric to train an adapter for).
-
-    Examples:
-      pipeline dev task-data toolcall datasets/tasks
-      pipeline dev task-data snake /tmp/tasks --train 2000
-    """
-
+    """Write a stand-in task's chat-format training and held-out data (a task metric to train an adapter for)."""
     res = write_task_data(task.value, out, train, validation, seed)
     if json_out:
         emit_json(res)

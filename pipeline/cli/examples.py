@@ -131,6 +131,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     "dev served-base": [
         ("its served NVFP4 + MTP form", "pipeline dev served-base /tmp/base /tmp/served --device cuda")
     ],
+    "dev task-data": [
+        ("a tool-call task's training and held-out data", "pipeline dev task-data toolcall datasets/tasks"),
+        ("the snake_case task, more training rows", "pipeline dev task-data snake /tmp/tasks --train 2000"),
+    ],
 }
 
 

@@ -101,12 +101,14 @@ def distil(
     curve = [(0, best[0])]
     opt = torch.optim.AdamW(mtp.parameters(), lr=lr, weight_decay=0.0)
     steps, losses = 0, []
-    cuda = target.device.type == "cuda"
+    # bf16 under autocast on CUDA, and whenever the target is not fp32 (a bf16 target on CPU: the fp32 MTP layer's
+    # linears would meet bf16 embeddings)
+    amp = target.device.type == "cuda" or target.embed.weight.dtype != torch.float32
     t_train = time.time()
     while time.time() - t_train < budget_s and (max_steps is None or steps < max_steps):
         ids, h, lab, _ = fit[rng.randrange(len(fit))]
         mtp.train(True)
-        with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=amp):
             loss = draft_loss(mtp, target.embed, target.lm_head, h, ids, lab, target.rotary, STEPS)
         opt.zero_grad(set_to_none=True)
         loss.backward()

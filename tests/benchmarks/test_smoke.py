@@ -72,6 +72,7 @@ def smokes(tmp_path_factory) -> dict[str, Future]:
         "validate_static": pool.submit(smoke, "validate_static"),
         "merge": pool.submit(smoke, "merge", "--workdir", str(work / "merge")),
         "qwen36_27b": pool.submit(smoke, "qwen36_27b"),
+        "trained_adapters": pool.submit(smoke, "trained_adapters"),
     }
     runs["work"] = work
     yield runs
@@ -163,6 +164,14 @@ def test_gpu_benchmark_summaries_do_not_drop_a_nan(tmp_path):
 def test_recompute_sweep_smoke(smokes):
     out = smokes["recompute_sweep"].result()
     assert "phases: as planned" in out
+
+
+def test_trained_adapters_smoke(smokes):
+    """The GPU driver of the task adapters, on CPU: reference answers in bf16 and fp32, the estimate, a drafter
+    distilled on the *bf16* target (on CPU its fp32 MTP layer met bf16 embeddings: a dtype error, now autocast)
+    and the drafter's served checkpoint."""
+    out = smokes["trained_adapters"].result()
+    assert "smoke: toolcall reference 2 answers" in out and "drafter checked True, checkpoint True" in out
 
 
 def test_cli_latency_smoke(smokes):

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -527,7 +528,7 @@ def _task_adapters(tmp_path, drafter: bool = True) -> dict:
     }
 
 
-def test_trained_plan_waits_for_the_task_adapters_and_drafts_with_their_drafter(tiny_vl_base, tmp_path):
+def test_trained_plan_waits_for_the_task_adapters_and_drafts_with_their_drafter(tiny_vl_base, tmp_path, monkeypatch):
     """benchmarks/trained_adapters.py runs in the background while the engine starts: the stages wait for its
     `.done` marker (measuring the base alone when it does not come); a task adapter's drafter checkpoint adds
     the engine that drafts with it (`speculative_config.model`), the fleet's flags otherwise."""
@@ -539,8 +540,11 @@ def test_trained_plan_waits_for_the_task_adapters_and_drafts_with_their_drafter(
     p.write_text(json.dumps(_task_adapters(tmp_path)))
     assert trained.task_adapters(ctx, wait_s=0) == {}  # not done yet: the base only
     assert "tb-nvfp4-drafter" not in engines.trained_engines(ctx)
+    monkeypatch.setattr(trained, "DRAFTER_WAIT_S", 2.5)  # 420 s on the GPU host: this test waited them out
+    t = time.monotonic()
     with pytest.raises(RuntimeError, match="no task adapter has a drafter checkpoint"):
         trained.st_tb_drafter(ctx)
+    assert 2.0 <= time.monotonic() - t < 30  # it waited for the marker, as long as it was told
     (p.parent / "adapters.json.done").write_text("{}")
     assert set(trained.task_adapters(ctx, wait_s=0)) == {"snake", "toolcall"}
     e = engines.trained_engines(ctx)["tb-nvfp4-drafter"]
