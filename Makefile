@@ -30,7 +30,7 @@ demo: setup
 	@echo "the CLI is $(VENV)/bin/pipeline: 'source $(VENV)/bin/activate' puts 'pipeline' on PATH"
 
 test: setup fleet-env sysdeps
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow and not fleet"

@@ -216,6 +216,10 @@ def main() -> int:
     _set(pipeline_fwd)
     dev = next(model.parameters()).device
 
+    def progress(what: str) -> None:  # to stderr, flushed: a run cut by its timeout still says how far it got
+        print(f"[packing_check {time.time() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    progress(f"model loaded on {dev} ({a.dtype})")
     rng = random.Random(a.seed)
     vocab = min(len(tok), 1024)
     text_ids = _text_ids(tok, a) if a.text else None
@@ -258,8 +262,9 @@ def main() -> int:
                 x.item() for x in _per_sample_losses(out.logits, b["labels"], [(0, len(s["input_ids"]))])
             ]
             alone_logits.append(out.logits[0].float())
+        progress(f"{len(samples)} samples alone")
         done = 0
-        for row in rows:
+        for ri, row in enumerate(rows, 1):
             b = {k: v.to(dev) for k, v in collate([row]).items()}
             bounds, s0 = [], 0
             for x in row:
@@ -273,6 +278,7 @@ def main() -> int:
                 out = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False, **kw)
                 packed[p] += [x.item() for x in _per_sample_losses(out.logits, b["labels"], bounds)]
                 logit_l2[p] += _logit_rel_diffs(out.logits, refs, bounds)
+                progress(f"row {ri}/{len(rows)}: {p}")
             done += len(row)
     _set(pipeline_fwd)
 
@@ -321,7 +327,7 @@ def main() -> int:
             _per_sample_losses(out.logits, b["labels"], [(0, len(s["input_ids"]))], "sum")[0].backward()
         g_alone = _lora_grads(model)
         model.zero_grad()
-        for row in rows:
+        for ri, row in enumerate(rows, 1):
             b = {k: v.to(dev) for k, v in collate([row]).items()}
             bounds, s0 = [], 0
             for x in row:

@@ -65,7 +65,9 @@ def main() -> None:
     ctx.attach = dict(x.split("=", 1) for x in a.attach) or None
     if a.task_adapters is not None:  # may still be in the making: the stages wait for its `.done` marker
         if not a.task_adapters.parent.is_dir():
-            ap.error(f"--task-adapters {a.task_adapters}: no such directory (benchmarks/trained_adapters.py WORK)")
+            ap.error(
+                f"--task-adapters {a.task_adapters}: no such directory (benchmarks/trained_adapters.py WORK)"
+            )
         ctx.facts["task_adapters_path"] = a.task_adapters.resolve()
     try:
         rec = run(ctx)

@@ -181,7 +181,8 @@ def st_tb_bf16(ctx: Ctx) -> dict:
     if p.exists() and {k: json.loads(p.read_text()).get(k) for k in key} == key:
         return json.loads(p.read_text()) | {"reused": True}
     res = _trained_engine(ctx, "tb-bf16")
-    key["adapters"] = sorted(ctx.facts.get("task_adapters") or {})  # what it measured (maybe more than at start)
+    # what it measured (maybe more than at start)
+    key["adapters"] = sorted(ctx.facts.get("task_adapters") or {})
     p.write_text(json.dumps(res | key))
     return res
 

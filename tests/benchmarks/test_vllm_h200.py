@@ -528,7 +528,9 @@ def _task_adapters(tmp_path, drafter: bool = True) -> dict:
     }
 
 
-def test_trained_plan_waits_for_the_task_adapters_and_drafts_with_their_drafter(tiny_vl_base, tmp_path, monkeypatch):
+def test_trained_plan_waits_for_the_task_adapters_and_drafts_with_their_drafter(
+    tiny_vl_base, tmp_path, monkeypatch
+):
     """benchmarks/trained_adapters.py runs in the background while the engine starts: the stages wait for its
     `.done` marker (measuring the base alone when it does not come); a task adapter's drafter checkpoint adds
     the engine that drafts with it (`speculative_config.model`), the fleet's flags otherwise."""
