@@ -327,7 +327,7 @@ def main() -> int:
             _per_sample_losses(out.logits, b["labels"], [(0, len(s["input_ids"]))], "sum")[0].backward()
         g_alone = _lora_grads(model)
         model.zero_grad()
-        for ri, row in enumerate(rows, 1):
+        for row in rows:
             b = {k: v.to(dev) for k, v in collate([row]).items()}
             bounds, s0 = [], 0
             for x in row:

@@ -330,6 +330,12 @@ def cases(w: World) -> list[Case]:
     # merge
     add(Case(["merge", P["missing"], "--base", P["missing"], "--out", P["out-exists"]]))
     add(Case(["merge", P["bad-adapter"], "--base", P["dir"], "--out", str(w.root / "merged")]))
+    add(Case(["merge", P["bad-adapter"], "--base", P["dir"], "--out", str(w.root / "merged"), "--dry-run"]))
+    add(
+        Case(["merge", P["deep-adapter"], "--base", P["binary"], "--out", "/proc/x/y", "--dry-run", "--json"])
+    )
+    add(Case(["merge-parity", P["binary"], "--merged", "http://127.0.0.1:9", "--dry-run"]))
+    add(Case(["merge-parity", P["dir"], "--merged", "not a url", "--dry-run"]))
     add(Case(["merge", P["deep-adapter"], "--base", P["deep-adapter"], "--out", str(w.root / "merged-deep")]))
     # merge-parity
     add(Case(["merge-parity", P["missing"], "--merged", "http://127.0.0.1:9"]))
@@ -535,6 +541,10 @@ def cases(w: World) -> list[Case]:
             ["run", tiny, "--name", "agent"],
             ["canary", "agent", "--staging", "http://127.0.0.1:9"],
             ["draft", "agent", "--version", "1"],
+            # the dry runs read the same stores and volumes (issue 41 item 5's siblings)
+            ["follow-alias", "--dry-run"],
+            ["canary", "agent", "--staging", "http://127.0.0.1:9", "--dry-run"],
+            ["draft", "agent", "--version", "1", "--dry-run"],
         ):
             # status and the follower do not read the volume: a broken one is not their error
             harmless = env in VOLUMES and args[0] in ("status", "follow-alias")

@@ -28,7 +28,7 @@ The staging instance must be otherwise idle: vLLM's metrics are per engine, not 
 
 from __future__ import annotations
 
-from pipeline.canary.engine import canary_version, run_canary, served_info, staging_instance
+from pipeline.canary.engine import canary_plan, canary_version, run_canary, served_info, staging_instance
 from pipeline.canary.prompts import TOOL_CONVERSATIONS, TOOLS, Prompt, canary_set
 from pipeline.canary.record import REPORT_TAG, TAG, gate, record, show, summary_tags
 from pipeline.canary.result import CanaryError, CanaryResult, EngineOutput, Parity, Speed, compare, judge
@@ -45,6 +45,7 @@ __all__ = [
     "Prompt",
     "Speed",
     "canary_set",
+    "canary_plan",
     "canary_version",
     "compare",
     "gate",

@@ -394,3 +394,34 @@ def canary_version(
 def _weights_sha256(adapter_dir: Path) -> str | None:
     p = Path(adapter_dir) / WEIGHTS_FILE
     return sha256_file(p) if p.exists() else None
+
+
+def canary_plan(
+    cfg: ProjectConfig,
+    adapter: str,
+    version: int | None = None,
+    alias: str | None = None,
+    staging_url: str | None = None,
+    base_dir: Path | None = None,
+    save: bool = True,
+) -> dict:
+    """What `pipeline canary` would run and record, after its checks, loading nothing on the staging instance
+    and recording nothing (`--dry-run`): {"adapter", "version" (None: a directory), "staging", "base",
+    "prompts", "max_tokens", "record"}. A registered version's artifact is read into a temporary directory
+    (its manifest names the base) and removed. Raises UsageError as canary_version and run_canary do before
+    they load anything: no staging URL, unknown model/version/alias, no base."""
+    inst = staging_instance(cfg.canary, staging_url)
+    if Path(adapter).is_dir():
+        v, label, base = None, adapter, base_dir or default_base(cfg, Path(adapter))
+        save = False  # a directory adapter has no model version to record on
+    else:
+        mv = registry.resolve_version(
+            cfg, adapter, version, alias or (None if version else registry.ALIAS_CANDIDATE)
+        )
+        v, label = int(mv.version), f"{adapter} v{mv.version}"
+        with tempfile.TemporaryDirectory(prefix="pipeline-canary-plan.") as td:
+            base = base_dir or default_base(cfg, registry.download_version(cfg, mv, Path(td) / "adapter"))
+    if base is None:
+        raise UsageError("no base checkpoint for the PEFT reference: pass --base DIR or set base.path")
+    return {"adapter": label, "version": v, "staging": inst.url, "base": str(base), "prompts": cfg.canary.prompts,
+            "max_tokens": cfg.canary.max_tokens, "record": save}  # fmt: skip

@@ -11,7 +11,15 @@ from typing import Annotated
 import typer
 
 from pipeline import canary as cn
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, exit_as, project_config
+from pipeline.cli._common import (
+    DryRunOption,
+    JsonOption,
+    adapter_name,
+    emit_json,
+    exit_as,
+    print_plan,
+    project_config,
+)
 from pipeline.cli.render import Column, NoHeadersOption, Output, OutputOption, output_format, print_rows
 from pipeline.errors import CheckFailed, FleetError, UsageError
 from pipeline.fleet.client import InstanceError, Unreachable
@@ -101,6 +109,7 @@ def canary(
         ),
     ] = None,
     record: Annotated[bool, typer.Option(help="record the result on the model version")] = True,
+    dry_run: DryRunOption = False,
     as_json: JsonOption = False,
     output: OutputOption = None,
     no_headers: NoHeadersOption = False,
@@ -122,6 +131,16 @@ def canary(
     )
     fmt = output_format(output, as_json)
     files = list(validation) or None
+    if dry_run:
+        if Path(adapter).is_dir() and (version is not None or alias is not None):
+            raise UsageError(f"{adapter} is a directory: --version/--alias are for registered models")
+        plan = cn.canary_plan(cfg, adapter, version, alias, staging, base, record)
+        lines = [
+            f"would load {plan['adapter']} on the staging instance {plan['staging']} under a temporary name, "
+            f"compare {plan['prompts']} prompts x {plan['max_tokens']} tokens with PEFT on {plan['base']}, "
+            + ("record the result on the model version" if plan["record"] else "record nothing")
+        ]
+        return print_plan({"dry_run": True, "action": "canary", **plan}, as_json, lines)
     try:
         if Path(adapter).is_dir():
             if version is not None or alias is not None:

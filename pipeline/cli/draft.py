@@ -8,8 +8,16 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, project_config
-from pipeline.draft import draft_version
+from pipeline.cli._common import (
+    DryRunOption,
+    JsonOption,
+    adapter_name,
+    emit_json,
+    finite,
+    print_plan,
+    project_config,
+)
+from pipeline.draft import draft_plan, draft_version
 
 app = typer.Typer()
 
@@ -44,6 +52,7 @@ def draft(
     ] = DraftDevice.cpu,
     seed: Annotated[int, typer.Option(min=0, help="random seed")] = 0,
     out: Annotated[Path | None, typer.Option(help="also keep the drafter directory here (replaced)")] = None,
+    dry_run: DryRunOption = False,
     as_json: JsonOption = False,
 ):
     """Distil an MTP drafter for a model version: the base's MTP layer trained on the adapter's own outputs.
@@ -53,6 +62,19 @@ def draft(
     acceptance estimate than the base's MTP layer) and records it: an MLflow run linked to the version with the
     drafter as its `drafter` artifact, `drafter.*` tags on the version. Exit 1 when the drafter is refused,
     2 for an unknown version or missing data. docs/drafter.md."""
+    if dry_run:
+        plan = draft_plan(
+            project_config(store="existing"), name, version, base_dir=base, budget_s=budget_s, max_steps=max_steps,
+            lr=lr, device=device.value, seed=seed, out=str(out) if out else None,
+        )  # fmt: skip
+        lines = [
+            f"would distil the MTP layer of {plan['base']} ({plan['mtp_tensors']} mtp.* tensors) for {name} "
+            f"v{version} on {device.value}, {budget_s:g} s"
+            + (f" or {max_steps} steps" if max_steps else "")
+            + f", on {len(plan['train_files'])} training file(s) and {len(plan['validation_files'])} validation "
+            f"file(s); checked against {plan['reference']}; recorded as an MLflow run and drafter.* tags on the version",
+        ]
+        return print_plan({"dry_run": True, "action": "draft", **plan}, as_json, lines)
     res = draft_version(
         project_config(store="existing"), name, version, base_dir=base, budget_s=budget_s, max_steps=max_steps, lr=lr,
         device=device.value, seed=seed, out=out,

@@ -15,6 +15,7 @@ from pipeline.cli._common import (
     DryRunOption,
     JsonOption,
     adapter_name,
+    emit_json,
     finite,
     log,
     print_plan,
@@ -156,14 +157,29 @@ def follow_alias_cmd(
     webhook_secret_env: Annotated[
         str, typer.Option(help="env var holding the webhook's HMAC secret")
     ] = "PIPELINE_WEBHOOK_SECRET",
+    dry_run: DryRunOption = False,
+    as_json: JsonOption = False,
 ):
     """Publish a model's ALIAS version whenever the alias moves.
 
-    Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI)."""
-    from pipeline.jobs.follow import follow_alias  # lazy: `pipeline run` must not pay for these imports
+    Publish a model's ALIAS version whenever the alias moves (e.g. in the MLflow UI). `--dry-run`: what one
+    pass would publish now."""
+    from pipeline.jobs.follow import follow_alias, follow_plan  # lazy: `pipeline run` must not pay for these
     from pipeline.jobs.webhook import WebhookReceiver  # lazy: as above
 
     cfg = project_config(store="read")  # a sidecar may start before the first registration
+    if dry_run:
+        rows = follow_plan(cfg, alias, name or None)
+        lines = [
+            f"{r['name']}: {alias} -> v{r['alias_version']}: "
+            + ("would publish" if r["action"] == "publish" else "already shipped, nothing to do")
+            if r["alias_version"] is not None
+            else f"{r['name']}: no {alias} alias, nothing to do"
+            for r in rows
+        ] or ["no registered model"]
+        return print_plan(
+            {"dry_run": True, "action": "follow-alias", "alias": alias, "models": rows}, as_json, lines
+        )
     wake = threading.Event()
     ctx = contextlib.nullcontext()
     if webhook_port is not None:
@@ -171,12 +187,17 @@ def follow_alias_cmd(
         if not secret:
             raise UsageError(f"--webhook-port needs the HMAC secret in ${webhook_secret_env}")
         ctx = WebhookReceiver(webhook_host, webhook_port, secret, wake, alias=alias)
-        typer.echo(f"webhook receiver: {ctx.url}")
+        if as_json:  # stdout holds the one JSON document
+            log.info("webhook receiver: %s", ctx.url)
+        else:
+            typer.echo(f"webhook receiver: {ctx.url}")
     with ctx:
         try:
             done = follow_alias(cfg, alias, interval, once, names=name or None, wake=wake)
         except Interrupted as e:  # a sidecar's normal stop (a publish in flight was completed first)
             log.info("follow-alias: %s", e)
             return
-    if once:
+    if once and as_json:
+        emit_json({"published": [{"name": p.name, "version": p.version, "path": str(p.path)} for p in done]})
+    elif once:
         typer.echo(f"published {len(done)} version(s)")

@@ -10,9 +10,9 @@ from typing import Annotated
 import typer
 
 from pipeline.artifacts.manifest import MergeParity, read_adapter_manifest
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, project_config
+from pipeline.cli._common import DryRunOption, JsonOption, adapter_name, emit_json, print_plan, project_config
 from pipeline.errors import UsageError
-from pipeline.merge import merge_adapter, merge_and_quantize
+from pipeline.merge import merge_adapter, merge_and_quantize, merge_preview
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
 from pipeline.merge.quantize import load_calibration
 
@@ -77,6 +77,7 @@ def merge(
     calib_data: Annotated[
         Path | None, typer.Option(help="--quantize: chat JSONL for calibration (default: built-in prompts)")
     ] = None,
+    dry_run: DryRunOption = False,
     as_json: JsonOption = False,
 ):
     """Merge an adapter into the bf16 base, streamed, gated on parity.
@@ -91,6 +92,25 @@ def merge(
         except (FileNotFoundError, ValueError):
             ref = None
         target = {"name": ref.name, "version": ref.version} if ref else None
+    if dry_run:
+        if quantize is not Quantize.none and dtype is not Dtype.bfloat16:
+            raise UsageError(
+                f"--quantize {quantize.value} quantizes the bf16 merge: drop --dtype {dtype.value}"
+            )
+        plan = merge_preview(adapter, base, out, dtype.value) | {
+            "parity": parity.value, "quantize": quantize.value, "tag": target}  # fmt: skip
+        lines = [
+            f"would merge {plan['lora_pairs']} LoRA pairs of {adapter} into {base} ({plan['layout']} layout) as "
+            f"{dtype.value}, writing {out} ({plan['shards']} shard(s), {plan['bytes'] / 1e9:.2f} GB; "
+            f"{plan['free_bytes'] / 1e9:.1f} GB free there{'' if plan['fits'] else ': DOES NOT FIT'})",
+            f"parity gate: {parity.value}; quantize: {quantize.value}; "
+            + (
+                f"verdict tagged on {target['name']} v{target['version']}"
+                if target
+                else "no model version to tag"
+            ),
+        ]
+        return print_plan({"dry_run": True, "action": "merge", **plan}, as_json, lines)
     gate = parity_gate(base, adapter, dtype.value, parity.value)
     show = progress and sys.stderr.isatty() and not as_json
     try:

@@ -10,9 +10,23 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOption, adapter_name, emit_json, finite, project_config
+from pipeline.cli._common import (
+    DryRunOption,
+    JsonOption,
+    adapter_name,
+    emit_json,
+    finite,
+    print_plan,
+    project_config,
+)
 from pipeline.errors import UsageError
-from pipeline.merge.served import MAX_LOGPROB_DIFF, MIN_AGREEMENT, ServedParityFailed, run_served_parity
+from pipeline.merge.served import (
+    MAX_LOGPROB_DIFF,
+    MIN_AGREEMENT,
+    ServedParityFailed,
+    run_served_parity,
+    served_parity_plan,
+)
 from pipeline.merge.served import record as record_served
 
 app = typer.Typer()
@@ -40,6 +54,7 @@ def merge_parity(
         str | None, typer.Option(help="registered model name to record on", callback=adapter_name)
     ] = None,
     version: Annotated[int | None, typer.Option(min=1, help="registered model version to record on")] = None,
+    dry_run: DryRunOption = False,
     as_json: JsonOption = False,
 ):
     """Merged NVFP4 model vs its adapter hot-loaded on the NVFP4 base, on vLLM: parity gate, tok/s, MTP acceptance.
@@ -48,6 +63,22 @@ def merge_parity(
     if (name is None) != (version is None):
         raise UsageError("give both --name and --version (or neither)")
     cfg = project_config(store="existing") if name else None
+    if dry_run:
+        plan = served_parity_plan(cfg or project_config(), merged, hot_url, merged_url)
+        target = {"name": name, "version": version} if name else plan["registered"]
+        lines = [
+            f"would load {plan['adapter']} on {plan['hot']} under a temporary name and compare it with {merged} "
+            f"served at {plan['merged']} ({plan['prompts']} prompts x {plan['max_tokens']} tokens); "
+            + (
+                f"record on {target['name']} v{target['version']}"
+                if target
+                else "no model version to record on"
+            )
+            + " and on the merged manifest"
+        ]
+        return print_plan(
+            {"dry_run": True, "action": "merge-parity", **plan, "record_on": target}, as_json, lines
+        )
     rec = run_served_parity(
         cfg or project_config(),
         merged,

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from pipeline.artifacts.modes import FILE_MODE, make_dir
 from pipeline.artifacts.names import check_name
-from pipeline.cli._common import CONFIG_META, adapter_name, log, project_config
+from pipeline.cli._common import CONFIG_META, DryRunOption, adapter_name, log, print_plan, project_config
 from pipeline.errors import UsageError
 from pipeline.jobs.schedule import ScheduleSpec, emit, scrontab_log_dir
 from pipeline.jobs.schedule_checks import host_job
@@ -120,6 +120,7 @@ def emit_cmd(
         typer.Option(help="cronjob: the pipeline.yaml to put in the ConfigMap (default: this project's)"),
     ] = None,
     out: Annotated[Path | None, typer.Option(help="directory to write files into (default: stdout)")] = None,
+    dry_run: DryRunOption = False,
 ):
     """Print (or write) a Kubernetes CronJob, systemd service+timer, or Slurm scrontab entry.
 
@@ -174,6 +175,15 @@ def emit_cmd(
         ) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if dry_run:  # the checks above ran; print what would be written and created, write nothing
+        lines = []
+        if log_dir is not None and Path(spec.workdir).is_dir() and not log_dir.exists():
+            lines.append(f"would create {log_dir} (the scrontab's --output directory)")
+        for fname, text in files.items():
+            if out:
+                lines.append(f"would {'replace' if (out / fname).exists() else 'write'} {out / fname}")
+            lines.append(f"# --- {fname}\n{text}")
+        return print_plan({}, False, lines)
     if log_dir is not None and Path(spec.workdir).is_dir() and not log_dir.exists():
         log_dir.mkdir(parents=True)  # Slurm opens --output there and does not create directories
         log.info("created %s (the scrontab's --output directory)", log_dir)

@@ -77,6 +77,47 @@ def reference_checkpoint(cfg: ProjectConfig, base: Path) -> Path:
     return Path(base)
 
 
+def _inputs(cfg: ProjectConfig, name: str, version: int, base_dir: Path | None, td: Path):
+    """(adapter dir downloaded into `td`, its manifest, base, the base's `mtp.*` state, training files, validation
+    files) of `name` v`version`, after every check made before a drafter trains. Raises UsageError (see
+    draft_version)."""
+    mv = registry.resolve_version(cfg, name, version=version)
+    adapter = registry.download_version(cfg, mv, td / "adapter")
+    manifest = read_adapter_manifest(adapter)
+    base = Path(base_dir) if base_dir else default_base(cfg, adapter)
+    if base is None or not base.is_dir():
+        raise UsageError(f"{name} v{version}: no base checkpoint: pass --base DIR or set base.path")
+    try:
+        state = mtp_tensors(base)
+    except NoMtpLayer as e:
+        raise UsageError(f"{e}: pass --base with the checkpoint whose MTP layer the fleet drafts with") from e
+    files = manifest.dataset.files
+    train_files = [Path(f.path) for f in files if f.role == "train"]
+    eval_files = [Path(f.path) for f in files if f.role == "validation"]
+    missing = [str(f) for f in train_files + eval_files if not f.is_file()]
+    if not train_files or missing:
+        raise UsageError(
+            f"{name} v{version}: the manifest's training files are "
+            + (f"not here ({', '.join(missing[:3])})" if missing else "not recorded")
+            + ": run `pipeline draft` where the training data is, at the paths manifest.json records"
+        )
+    return adapter, manifest, base, state, train_files, eval_files
+
+
+def draft_plan(
+    cfg: ProjectConfig, name: str, version: int, *, base_dir: Path | None = None, **params
+) -> dict:
+    """What `draft_version` would train and record, after the same checks, changing nothing
+    (`pipeline draft --dry-run`): {"name", "version", "base", "reference" (the served checkpoint the drafter is
+    checked against), "train_files", "validation_files", "mtp_tensors", "params"}. Raises as draft_version
+    does before it trains (UsageError)."""
+    with tempfile.TemporaryDirectory(prefix="pipeline-draft.") as td:
+        _, _, base, state, train_files, eval_files = _inputs(cfg, name, version, base_dir, Path(td))
+    return {"name": name, "version": int(version), "base": str(base), "reference": str(reference_checkpoint(cfg, base)),
+            "train_files": [str(f) for f in train_files], "validation_files": [str(f) for f in eval_files],
+            "mtp_tensors": len(state), "params": params}  # fmt: skip
+
+
 def draft_version(
     cfg: ProjectConfig,
     name: str,
@@ -99,29 +140,10 @@ def draft_version(
     Raises UsageError (exit 2): unknown version, no base or no MTP layer in it, training files missing.
     DrafterRefused (exit 1): the drafter fails `check_drafter` (the run ends FAILED; the version is untouched).
     """
-    mv = registry.resolve_version(cfg, name, version=version)
     with tempfile.TemporaryDirectory(prefix="pipeline-draft.") as td:
-        adapter = registry.download_version(cfg, mv, Path(td) / "adapter")
-        manifest = read_adapter_manifest(adapter)
-        base = Path(base_dir) if base_dir else default_base(cfg, adapter)
-        if base is None or not base.is_dir():
-            raise UsageError(f"{name} v{version}: no base checkpoint: pass --base DIR or set base.path")
-        try:
-            state = mtp_tensors(base)
-        except NoMtpLayer as e:
-            raise UsageError(
-                f"{e}: pass --base with the checkpoint whose MTP layer the fleet drafts with"
-            ) from e
-        files = manifest.dataset.files
-        train_files = [Path(f.path) for f in files if f.role == "train"]
-        eval_files = [Path(f.path) for f in files if f.role == "validation"]
-        missing = [str(f) for f in train_files + eval_files if not f.is_file()]
-        if not train_files or missing:
-            raise UsageError(
-                f"{name} v{version}: the manifest's training files are "
-                + (f"not here ({', '.join(missing[:3])})" if missing else "not recorded")
-                + ": run `pipeline draft` where the training data is, at the paths manifest.json records"
-            )
+        adapter, manifest, base, state, train_files, eval_files = _inputs(
+            cfg, name, version, base_dir, Path(td)
+        )
         reference = reference_checkpoint(cfg, base)
         params = {"base": str(base), "reference": str(reference), "budget_s": budget_s, "max_steps": max_steps, "lr": lr,
                   "device": device, "seed": seed}  # fmt: skip

@@ -60,6 +60,21 @@ def _already_shipped(cfg: ProjectConfig, name: str, version: int) -> bool:
     return bool(history) and history[-1] == version
 
 
+def follow_plan(cfg: ProjectConfig, alias: str, names: list[str] | None = None) -> list[dict]:
+    """What one `follow_alias` pass would do now, changing nothing (`pipeline follow-alias --dry-run`).
+
+    Per model: {"name", "alias_version" (None: the alias is not set), "action": "publish" (not on the volume or
+    not desired yet), "none" (already shipped) or "unset"}. Killed transactions a real pass would first complete
+    are not listed (their recovery writes); `fleet sync --dry-run` shows the fleet's side.
+    Raises StoreError when the registry cannot be read."""
+    rows = []
+    for name in names or registry.model_names(cfg):
+        v = registry.alias_version(cfg, name, alias)
+        action = "unset" if v is None else ("none" if _already_shipped(cfg, name, v) else "publish")
+        rows.append({"name": name, "alias_version": v, "action": action})
+    return rows
+
+
 def ship(cfg: ProjectConfig, name: str, version: int, alias: str):
     """Publish `name` v`version` because `alias` points at it; returns `publish.Published`.
 

@@ -118,15 +118,7 @@ def merge_adapter(
 
     t0 = time.time()
     adapter_dir, base_dir, out_dir = Path(adapter_dir), Path(base_dir), Path(out_dir)
-    if out_dir.exists():
-        raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
-    plan = plan_merge(adapter_dir, base_dir, dtype)
-    refused, static = merge_refusals(adapter_dir, base_dir)
-    if refused:
-        raise MergeMismatch(
-            f"{adapter_dir}: `pipeline validate` refuses this adapter, so merge does too (nothing written):\n  "
-            + "\n  ".join(str(f) for f in refused)
-        )
+    plan, static = _checked_plan(adapter_dir, base_dir, out_dir, dtype)
     import torch
 
     if device == "auto":
@@ -203,6 +195,37 @@ def merge_adapter(
     finally:
         torch.set_num_threads(threads_before)
     return MergeResult(out_dir, manifest, seconds, written, merged)
+
+
+def _checked_plan(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str) -> tuple[MergePlan, dict]:
+    """The merge plan and validate's static findings, after every check made before writing (see merge_adapter)."""
+    if out_dir.exists():
+        raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
+    plan = plan_merge(adapter_dir, base_dir, dtype)
+    refused, static = merge_refusals(adapter_dir, base_dir)
+    if refused:
+        raise MergeMismatch(
+            f"{adapter_dir}: `pipeline validate` refuses this adapter, so merge does too (nothing written):\n  "
+            + "\n  ".join(str(f) for f in refused)
+        )
+    return plan, static
+
+
+def merge_preview(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str = "bfloat16") -> dict:
+    """What `merge_adapter` would write, after the same checks, writing nothing (`pipeline merge --dry-run`).
+
+    Returns {"adapter", "base", "out", "dtype", "layout", "lora_pairs", "shards", "bytes" (the output's tensor
+    bytes), "free_bytes" (free on the filesystem `out` would be written to), "fits" (bytes < free_bytes)}.
+    Raises what merge_adapter raises before it writes: MergeError (`out_dir` exists, bad inputs), MergeMismatch.
+    """
+    adapter_dir, base_dir, out_dir = Path(adapter_dir), Path(base_dir), Path(out_dir)
+    plan, _ = _checked_plan(adapter_dir, base_dir, out_dir, dtype)
+    where = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    nbytes = sum(sh.nbytes for sh in plan.shards)
+    return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "dtype": dtype,
+            "layout": plan.layout, "lora_pairs": len(plan.pairs), "shards": len(plan.shards), "bytes": nbytes,
+            "free_bytes": free, "fits": nbytes < free}  # fmt: skip
 
 
 def shard_workers(n_shards: int) -> int:

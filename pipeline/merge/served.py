@@ -118,6 +118,34 @@ def _side(speed, **extra) -> dict:
     }
 
 
+def _inputs(cfg: ProjectConfig, merged_dir: Path, hot_url: str | None, merged_url: str):
+    """(merged manifest, adapter dir, hot instance, merged instance), checked (see run_served_parity)."""
+    try:
+        man = read_manifest(merged_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"{merged_dir}: {e}; give the output of `pipeline merge --quantize nvfp4`") from e
+    if not isinstance(man, MergedManifest) or man.quantization is None:
+        what = "a bf16 merge" if isinstance(man, MergedManifest) else f"kind {man.kind!r}"
+        raise UsageError(f"{merged_dir}/{MANIFEST}: not a quantized merge ({what})")
+    hot_inst = staging_instance(cfg.canary, hot_url)
+    try:
+        merged_inst = Instance(name="merged", url=http_base_url(merged_url))
+    except ValueError as e:
+        raise UsageError(f"--merged: {e}") from None
+    return man, Path(man.adapter.path), hot_inst, merged_inst
+
+
+def served_parity_plan(cfg: ProjectConfig, merged_dir: Path, hot_url: str | None, merged_url: str) -> dict:
+    """What `run_served_parity` would compare, after its checks, sending nothing (`pipeline merge-parity
+    --dry-run`): {"merged_dir", "adapter", "registered", "hot", "merged", "prompts", "max_tokens"}.
+    Raises UsageError as run_served_parity does before it loads the adapter."""
+    man, adapter_dir, hot_inst, merged_inst = _inputs(cfg, Path(merged_dir), hot_url, merged_url)
+    reg = man.adapter.registered
+    return {"merged_dir": str(merged_dir), "adapter": str(adapter_dir),
+            "registered": reg.model_dump() if reg else None, "hot": hot_inst.url,
+            "merged": merged_inst.url, "prompts": cfg.canary.prompts, "max_tokens": cfg.canary.max_tokens}  # fmt: skip
+
+
 def run_served_parity(
     cfg: ProjectConfig,
     merged_dir: Path,
@@ -144,20 +172,8 @@ def run_served_parity(
     refused the adapter), InstanceError / Unreachable (an instance failed or did not answer).
     """
     merged_dir = Path(merged_dir)
-    try:
-        man = read_manifest(merged_dir)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"{merged_dir}: {e}; give the output of `pipeline merge --quantize nvfp4`") from e
-    if not isinstance(man, MergedManifest) or man.quantization is None:
-        what = "a bf16 merge" if isinstance(man, MergedManifest) else f"kind {man.kind!r}"
-        raise UsageError(f"{merged_dir}/{MANIFEST}: not a quantized merge ({what})")
-    adapter_dir = Path(man.adapter.path)
+    man, adapter_dir, hot_inst, merged_inst = _inputs(cfg, merged_dir, hot_url, merged_url)
     c = cfg.canary
-    hot_inst = staging_instance(cfg.canary, hot_url)
-    try:
-        merged_inst = Instance(name="merged", url=http_base_url(merged_url))
-    except ValueError as e:
-        raise UsageError(f"--merged: {e}") from None
     tok = load_tokenizer(adapter_dir, merged_dir)
     prompts, notes = canary_set(tok, validation_files_from_manifest(adapter_dir), c.prompts)
     t0 = time.time()

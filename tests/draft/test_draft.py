@@ -69,6 +69,24 @@ def test_draft_trains_a_better_drafter_and_records_it(project, tiny_vl_base, tmp
     )
 
     out = tmp_path / "kept"
+
+    def runs() -> int:
+        return len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+
+    n_runs = runs()
+    # --dry-run (issue 41 item 5's sibling): the checks and the plan, no run, no drafter, no tags
+    r = CliRunner().invoke(
+        app, ["draft", "agent", "--version", str(reg.version), "--base", str(base), "--out", str(out), "--dry-run",
+              "--json"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["dry_run"] and plan["action"] == "draft" and plan["base"] == str(base)
+    assert len(plan["train_files"]) == 1 and len(plan["validation_files"]) == 1 and plan["mtp_tensors"] > 0
+    assert not out.exists() and runs() == n_runs
+    assert not any(k.startswith("drafter.") for k in client.get_model_version("agent", "1").tags)
+    r = CliRunner().invoke(app, ["draft", "agent", "--version", "9", "--base", str(base), "--dry-run"])
+    assert r.exit_code == 2 and "9" in r.output  # an unknown version: refused as the real run refuses it
     r = CliRunner().invoke(
         app,
         ["draft", "agent", "--version", str(reg.version), "--base", str(base), "--max-steps", "30", "--lr", "0.01",

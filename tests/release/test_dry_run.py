@@ -186,3 +186,120 @@ def test_run_dry_run_says_skip_ship_or_train(cfg, tiny_base, monkeypatch):
         registry.client(cfg).delete_model_version_tag("agent", "2", registry.FINGERPRINT_TAG)
     assert not (cfg.state_dir / "locks" / "agent.lock").exists() and not cfg.train.runs_dir.exists()
     assert cli(cfg, "run", config, "--json").exit_code == 2  # --json is for the dry run
+
+
+# -- the siblings: every other command that changes state (issue 41 item 5) ---------------------------------------
+# Commands that change nothing (reads, previews, servers), or dev tools that write only the OUT directory they
+# are given, need no --dry-run; each other command has one (test_every_state_changing_command_has_a_dry_run).
+NO_DRY_RUN = {
+    "status": "reads",
+    "ui": "serves the MLflow UI; writes nothing",
+    "validate": "reads; its report is the output",
+    "config show": "reads",
+    "fleet status": "reads",
+    "fleet resolve": "reads",
+    "dataset check": "reads",
+    "dev tiny-base": "a dev tool writing only OUT",
+    "dev real-base": "a dev tool writing only OUT",
+    "dev trained-base": "a dev tool writing only OUT",
+    "dev served-base": "a dev tool writing only OUT",
+    "dev task-data": "a dev tool writing only OUT",
+    "demo": "a dev tool: the whole job on the embedded default project; `pipeline run --dry-run` previews a job",
+}
+
+
+def _leaves() -> dict:
+    """Every command path of the CLI -> its click command (modules loaded: the main group lists stand-ins)."""
+    import click
+
+    from pipeline.cli import COMMANDS, load_command
+
+    out = {}
+    for name, (_, is_group, _) in COMMANDS.items():
+        cmd = load_command(name)
+        if is_group:
+            out |= {f"{name} {sub}": c for sub, c in cmd.commands.items() if not isinstance(c, click.Group)}
+        else:
+            out[name] = cmd
+    return out
+
+
+def test_every_state_changing_command_has_a_dry_run():
+    """The failing input: `merge`, `draft`, `canary`, `merge-parity`, `follow-alias` and `schedule emit --out`
+    changed state with no preview. A command added without `--dry-run` (or a reason here) fails this test."""
+    leaves = _leaves()
+    missing = []
+    for path, cmd in leaves.items():
+        flags = {o for p in cmd.params for o in getattr(p, "opts", [])}
+        if "--dry-run" not in flags and path not in NO_DRY_RUN:
+            missing.append(path)
+    assert missing == []
+    assert {"publish", "fleet prune", "schedule emit", "dev task-data"} <= set(
+        leaves
+    )  # the walk sees them all
+
+
+def test_follow_alias_dry_run_names_what_one_pass_would_publish(cfg):
+    from pipeline import registry
+
+    before, on_volume = snapshot(cfg, "agent"), dirs(cfg)
+    plan = json.loads(cli(cfg, "follow-alias", "--dry-run", "--json").stdout)
+    assert plan["models"] == [{"name": "agent", "alias_version": 3, "action": "none"}]
+    registry.set_alias(cfg, "agent", "production", 4)  # moved in the UI: v4 is not on the volume
+    try:
+        r = cli(cfg, "follow-alias", "--dry-run")
+        assert r.exit_code == 0 and "agent: production -> v4: would publish" in r.stdout, r.output
+        assert r.stdout.rstrip().endswith("(dry run: nothing changed)")
+        assert dirs(cfg) == on_volume and "agent-v4" not in on_volume  # nothing published
+        r = cli(cfg, "follow-alias", "staging", "--dry-run")
+        assert r.exit_code == 0 and "agent: no staging alias, nothing to do" in r.stdout
+    finally:
+        registry.set_alias(cfg, "agent", "production", 3)
+    assert snapshot(cfg, "agent") == before
+
+
+def test_canary_and_merge_parity_dry_runs_send_nothing(cfg, tiny_base):
+    """A staging URL nobody listens on: the plan needs no instance, and records nothing on the version."""
+    from pipeline import registry
+
+    r = cli(cfg, "canary", "agent", "--version", "4", "--dry-run")
+    assert r.exit_code == 2 and "no staging instance" in r.output  # refused as the real run refuses it
+    tags = dict(registry.resolve_version(cfg, "agent", version=4).tags)
+    r = cli(cfg, "canary", "agent", "--version", "4", "--staging", "http://127.0.0.1:9", "--base",
+            tiny_base, "--dry-run", "--json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert (plan["adapter"], plan["version"], plan["staging"], plan["record"]) == (
+        "agent v4", 4, "http://127.0.0.1:9", True)  # fmt: skip
+    assert dict(registry.resolve_version(cfg, "agent", version=4).tags) == tags
+    r = cli(cfg, "canary", "agent", "--version", "9", "--staging", "http://127.0.0.1:9", "--dry-run")
+    assert r.exit_code == 2 and "version 9 not found" in r.output
+    # merge-parity: the same refusal of what is not a quantized merge, before any request
+    r = cli(
+        cfg, "merge-parity", str(cfg.volume.path / "agent-v1"), "--merged", "http://127.0.0.1:9", "--dry-run"
+    )
+    assert r.exit_code == 2 and "merge" in r.output, r.output
+
+
+def test_merge_dry_run_checks_and_writes_nothing(cfg, release_adapters, tiny_base, tmp_path):
+    adapter = release_adapters[0][0]
+    out = tmp_path / "merged"
+    r = cli(cfg, "merge", adapter, "--base", tiny_base, "--out", out, "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["action"] == "merge" and plan["lora_pairs"] > 0 and plan["bytes"] > 0 and plan["fits"]
+    assert not out.exists() and not list(tmp_path.iterdir())
+    out.mkdir()
+    r = cli(cfg, "merge", adapter, "--base", tiny_base, "--out", out, "--dry-run")
+    assert r.exit_code == 2 and "exists" in r.output  # the real merge's refusal
+
+
+def test_schedule_emit_dry_run_writes_no_file(cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(cfg.root)
+    (cfg.root / "my-task.yml").write_text((REPO / "axolotl_configs" / "tiny-cpu.yml").read_text())
+    out = tmp_path / "sched"
+    r = cli(cfg, "schedule", "emit", "--kind", "systemd", "--name", "agent", "--config", "my-task.yml", "--out",
+            out, "--no-check", "--dry-run")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert f"would write {out / 'lora-retrain-agent.service'}" in r.stdout and "[Service]" in r.stdout
+    assert not out.exists()
