@@ -28,6 +28,7 @@ import grp
 import os
 import pwd
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,3 +206,26 @@ def foreign_entries(path: Path) -> list[str]:
         elif stat.S_IMODE(st.st_mode) & OTHERS_WRITE and not stat.S_ISLNK(st.st_mode):
             out.append(f"{p}: mode {stat.S_IMODE(st.st_mode):04o} lets others write it")
     return out
+
+
+def writable_problem(what: str, path: Path) -> str | None:
+    """None when this user can create or write `path` (a directory), else one line naming it.
+
+    Probes the nearest existing ancestor with a directory created and removed at once (a dry run's check
+    too: it leaves nothing)."""
+    p = Path(path)
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe != p and not probe.is_dir():
+        return f"{what} {p}: {probe} is in the way (not a directory)"
+    if probe == p and not p.is_dir():
+        return f"{what} {p}: not a directory"
+    where = f"{'cannot be created in ' + str(probe) if probe != p else 'not writable'} by uid {os.geteuid()}"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{what} {p}: {where} (the user the command or job runs as)"
+    try:  # root passes os.access everywhere; the filesystem has the last word (/proc, a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".pipeline-probe-", dir=probe))
+    except OSError as e:
+        return f"{what} {p}: {where} ({e.strerror})"
+    return None

@@ -172,15 +172,16 @@ def _quantized(cfg: ProjectConfig, engine_root: str | None) -> bool:
 
 
 # -- the canary -----------------------------------------------------------------------------------------------------
-def staging_instance(canary: CanarySection, url: str | None) -> Instance:
-    """The staging instance: `url`, else `canary.staging_url`. Raises UsageError (none, or not a URL)."""
+def staging_instance(canary: CanarySection, url: str | None, option: str = "--staging") -> Instance:
+    """The staging instance: `url`, else `canary.staging_url`. Raises UsageError (none, or not a URL) naming
+    `option`, the command's own option for it (`merge-parity`: `--hot`)."""
     url = url or canary.staging_url
     if not url:
-        raise UsageError("no staging instance: pass --staging URL or set canary.staging_url in pipeline.yaml")
+        raise UsageError(f"no staging instance: pass {option} URL or set canary.staging_url in pipeline.yaml")
     try:
         url = http_base_url(url)
     except ValueError as e:
-        raise UsageError(f"--staging: {e}") from None
+        raise UsageError(f"{option}: {e}") from None
     return Instance(name="staging", url=url, api_key_env=canary.staging_api_key_env)
 
 
@@ -423,5 +424,7 @@ def canary_plan(
             base = base_dir or default_base(cfg, registry.download_version(cfg, mv, Path(td) / "adapter"))
     if base is None:
         raise UsageError("no base checkpoint for the PEFT reference: pass --base DIR or set base.path")
+    if not Path(base).is_dir():
+        raise UsageError(f"--base {base}: not a directory (the bf16 base checkpoint for the PEFT reference)")
     return {"adapter": label, "version": v, "staging": inst.url, "base": str(base), "prompts": cfg.canary.prompts,
             "max_tokens": cfg.canary.max_tokens, "record": save}  # fmt: skip

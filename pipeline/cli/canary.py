@@ -131,10 +131,16 @@ def canary(
     )
     fmt = output_format(output, as_json)
     files = list(validation) or None
-    if dry_run:
+    if dry_run:  # the real run's refusals of its options, then the plan
         if Path(adapter).is_dir() and (version is not None or alias is not None):
             raise UsageError(f"{adapter} is a directory: --version/--alias are for registered models")
+        if instance_path and not Path(adapter).is_dir():
+            raise UsageError("--instance-path is for directory adapters")
+        for f in files or []:
+            if not f.is_file():
+                raise UsageError(f"--validation {f}: not a file (a chat JSONL)")
         plan = cn.canary_plan(cfg, adapter, version, alias, staging, base, record)
+        as_json = fmt is Output.json
         lines = [
             f"would load {plan['adapter']} on the staging instance {plan['staging']} under a temporary name, "
             f"compare {plan['prompts']} prompts x {plan['max_tokens']} tokens with PEFT on {plan['base']}, "

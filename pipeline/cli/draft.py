@@ -73,7 +73,7 @@ def draft(
             + (f" or {max_steps} steps" if max_steps else "")
             + f", on {len(plan['train_files'])} training file(s) and {len(plan['validation_files'])} validation "
             f"file(s); checked against {plan['reference']}; recorded as an MLflow run and drafter.* tags on the version",
-        ]
+        ] + ([f"would replace {plan['replaces']} with the drafter"] if plan["replaces"] else [])
         return print_plan({"dry_run": True, "action": "draft", **plan}, as_json, lines)
     res = draft_version(
         project_config(store="existing"), name, version, base_dir=base, budget_s=budget_s, max_steps=max_steps, lr=lr,

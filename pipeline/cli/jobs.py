@@ -168,24 +168,25 @@ def follow_alias_cmd(
     from pipeline.jobs.webhook import WebhookReceiver  # lazy: as above
 
     cfg = project_config(store="read")  # a sidecar may start before the first registration
+    secret = os.environ.get(webhook_secret_env, "")
+    if webhook_port is not None and not secret:
+        raise UsageError(f"--webhook-port needs the HMAC secret in ${webhook_secret_env}")
     if dry_run:
-        rows = follow_plan(cfg, alias, name or None)
+        # no store yet: nothing registered, and reading through MLflow's client would create it
+        rows = follow_plan(cfg, alias, name or None) if cfg.store_exists() else []
         lines = [
             f"{r['name']}: {alias} -> v{r['alias_version']}: "
             + ("would publish" if r["action"] == "publish" else "already shipped, nothing to do")
             if r["alias_version"] is not None
             else f"{r['name']}: no {alias} alias, nothing to do"
             for r in rows
-        ] or ["no registered model"]
+        ] or ["no registered model: nothing to publish"]
         return print_plan(
             {"dry_run": True, "action": "follow-alias", "alias": alias, "models": rows}, as_json, lines
         )
     wake = threading.Event()
     ctx = contextlib.nullcontext()
     if webhook_port is not None:
-        secret = os.environ.get(webhook_secret_env, "")
-        if not secret:
-            raise UsageError(f"--webhook-port needs the HMAC secret in ${webhook_secret_env}")
         ctx = WebhookReceiver(webhook_host, webhook_port, secret, wake, alias=alias)
         if as_json:  # stdout holds the one JSON document
             log.info("webhook receiver: %s", ctx.url)

@@ -14,7 +14,7 @@ from pipeline.cli._common import DryRunOption, JsonOption, adapter_name, emit_js
 from pipeline.errors import UsageError
 from pipeline.merge import merge_adapter, merge_and_quantize, merge_preview
 from pipeline.merge.parity import ParityFailed, parity_gate, parity_tags
-from pipeline.merge.quantize import load_calibration
+from pipeline.merge.quantize import load_calibration, modelopt_version
 
 app = typer.Typer()
 
@@ -92,17 +92,24 @@ def merge(
         except (FileNotFoundError, ValueError):
             ref = None
         target = {"name": ref.name, "version": ref.version} if ref else None
+    if name is not None:  # an explicit version to tag must exist before hours of merging, not after
+        from pipeline import registry  # lazy: only a tagged merge pays for the registry
+
+        registry.resolve_version(project_config(store="existing"), name, version=version)
     if dry_run:
-        if quantize is not Quantize.none and dtype is not Dtype.bfloat16:
-            raise UsageError(
-                f"--quantize {quantize.value} quantizes the bf16 merge: drop --dtype {dtype.value}"
-            )
-        plan = merge_preview(adapter, base, out, dtype.value) | {
+        if quantize is not Quantize.none:
+            if dtype is not Dtype.bfloat16:
+                raise UsageError(
+                    f"--quantize {quantize.value} quantizes the bf16 merge: drop --dtype {dtype.value}"
+                )
+            modelopt_version()  # installed
+            load_calibration(calib_data)  # readable
+        plan = merge_preview(adapter, base, out, dtype.value, device.value) | {
             "parity": parity.value, "quantize": quantize.value, "tag": target}  # fmt: skip
         lines = [
             f"would merge {plan['lora_pairs']} LoRA pairs of {adapter} into {base} ({plan['layout']} layout) as "
-            f"{dtype.value}, writing {out} ({plan['shards']} shard(s), {plan['bytes'] / 1e9:.2f} GB; "
-            f"{plan['free_bytes'] / 1e9:.1f} GB free there{'' if plan['fits'] else ': DOES NOT FIT'})",
+            f"{dtype.value} on {plan['device']}, writing {out} ({plan['shards']} shard(s), "
+            f"{plan['bytes'] / 1e6:,.1f} MB; {plan['free_bytes'] / 1e9:,.1f} GB free there)",
             f"parity gate: {parity.value}; quantize: {quantize.value}; "
             + (
                 f"verdict tagged on {target['name']} v{target['version']}"

@@ -63,18 +63,18 @@ def merge_parity(
     if (name is None) != (version is None):
         raise UsageError("give both --name and --version (or neither)")
     cfg = project_config(store="existing") if name else None
+    if name is not None:  # the version to record on exists, before the engines are driven
+        from pipeline import registry  # lazy: only a recorded comparison pays for the registry
+
+        registry.resolve_version(cfg, name, version=version)
     if dry_run:
         plan = served_parity_plan(cfg or project_config(), merged, hot_url, merged_url)
         target = {"name": name, "version": version} if name else plan["registered"]
         lines = [
             f"would load {plan['adapter']} on {plan['hot']} under a temporary name and compare it with {merged} "
             f"served at {plan['merged']} ({plan['prompts']} prompts x {plan['max_tokens']} tokens); "
-            + (
-                f"record on {target['name']} v{target['version']}"
-                if target
-                else "no model version to record on"
-            )
-            + " and on the merged manifest"
+            + (f"record on {target['name']} v{target['version']} and on" if target else "record on")
+            + " the merged manifest"
         ]
         return print_plan(
             {"dry_run": True, "action": "merge-parity", **plan, "record_on": target}, as_json, lines

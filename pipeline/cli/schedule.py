@@ -12,7 +12,7 @@ import click
 import typer
 from pydantic import ValidationError
 
-from pipeline.artifacts.modes import FILE_MODE, make_dir
+from pipeline.artifacts.modes import FILE_MODE, make_dir, writable_problem
 from pipeline.artifacts.names import check_name
 from pipeline.cli._common import CONFIG_META, DryRunOption, adapter_name, log, print_plan, project_config
 from pipeline.errors import UsageError
@@ -133,6 +133,8 @@ def emit_cmd(
 
     Example: pipeline schedule emit --kind systemd --name my-task --config my-task.yml --out schedule/"""
     text = ""
+    if out is not None and (problem := writable_problem("--out", out)):
+        raise UsageError(problem)
     _check_name_for_job(
         name, pipeline_yaml if kind is Kind.cronjob else Path(workdir or Path.cwd()) / "pipeline.yaml"
     )

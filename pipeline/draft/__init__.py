@@ -19,6 +19,7 @@ from pathlib import Path
 from pipeline import registry
 from pipeline.artifacts.bounded import MIB, loads_json
 from pipeline.artifacts.manifest import read_adapter_manifest
+from pipeline.artifacts.modes import writable_problem
 from pipeline.artifacts.peft_model import load_peft
 from pipeline.config import ProjectConfig
 from pipeline.draft.artifact import (
@@ -77,6 +78,21 @@ def reference_checkpoint(cfg: ProjectConfig, base: Path) -> Path:
     return Path(base)
 
 
+def _checks(device: str, out: Path | None) -> None:
+    """The options' own checks, before the registry is read: a GPU for `cuda`, a creatable `out`."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    if out is not None:
+        out = Path(out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out}: exists and is not a directory")
+        if problem := writable_problem("--out", out):
+            raise UsageError(problem)
+
+
 def _inputs(cfg: ProjectConfig, name: str, version: int, base_dir: Path | None, td: Path):
     """(adapter dir downloaded into `td`, its manifest, base, the base's `mtp.*` state, training files, validation
     files) of `name` v`version`, after every check made before a drafter trains. Raises UsageError (see
@@ -111,11 +127,14 @@ def draft_plan(
     (`pipeline draft --dry-run`): {"name", "version", "base", "reference" (the served checkpoint the drafter is
     checked against), "train_files", "validation_files", "mtp_tensors", "params"}. Raises as draft_version
     does before it trains (UsageError)."""
+    _checks(params.get("device", "cpu"), params.get("out"))
     with tempfile.TemporaryDirectory(prefix="pipeline-draft.") as td:
         _, _, base, state, train_files, eval_files = _inputs(cfg, name, version, base_dir, Path(td))
+    out = params.get("out")
     return {"name": name, "version": int(version), "base": str(base), "reference": str(reference_checkpoint(cfg, base)),
             "train_files": [str(f) for f in train_files], "validation_files": [str(f) for f in eval_files],
-            "mtp_tensors": len(state), "params": params}  # fmt: skip
+            "mtp_tensors": len(state), "replaces": str(out) if out and Path(out).exists() else None,
+            "params": params}  # fmt: skip
 
 
 def draft_version(
@@ -140,6 +159,7 @@ def draft_version(
     Raises UsageError (exit 2): unknown version, no base or no MTP layer in it, training files missing.
     DrafterRefused (exit 1): the drafter fails `check_drafter` (the run ends FAILED; the version is untouched).
     """
+    _checks(device, out)
     with tempfile.TemporaryDirectory(prefix="pipeline-draft.") as td:
         adapter, manifest, base, state, train_files, eval_files = _inputs(
             cfg, name, version, base_dir, Path(td)
@@ -153,10 +173,16 @@ def draft_version(
 
             tok = AutoTokenizer.from_pretrained(str(base))
             model = load_peft(base, adapter, "bfloat16" if device == "cuda" else "float32", device)
-            state, rep = distil(
-                model, tok, _conversations(train_files), _conversations(eval_files), state,
-                budget_s=budget_s, max_steps=max_steps, lr=lr, seed=seed,
-            )  # fmt: skip
+            try:
+                state, rep = distil(
+                    model, tok, _conversations(train_files), _conversations(eval_files), state,
+                    budget_s=budget_s, max_steps=max_steps, lr=lr, seed=seed,
+                )  # fmt: skip
+            except ValueError as e:  # no continuation to learn from: the data's problem, said as such
+                raise UsageError(
+                    f"{name} v{version}: {e}; the drafter learns from the adapter's answers to its training "
+                    "prompts: give the version more (or longer) training conversations"
+                ) from e
             record = DrafterRecord(
                 name=name,
                 version=int(version),

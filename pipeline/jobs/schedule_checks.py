@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.artifacts.modes import writable_problem
 from pipeline.config import find_project, load_config
 from pipeline.errors import PipelineError
 from pipeline.train.config import check_training_config, load_training_config
@@ -44,24 +45,6 @@ class HostJob:
     project_config: str | None = None
     problems: list[str] = field(default_factory=list)
     needs: list[str] = field(default_factory=list)
-
-
-def writable_problem(what: str, path: Path) -> str | None:
-    """None when this user can create or write `path` (a directory), else one line naming it."""
-    p = Path(path)
-    probe = p
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe != p and not probe.is_dir():
-        return f"{what} {p}: {probe} is in the way (not a directory)"
-    if probe == p and not p.is_dir():
-        return f"{what} {p}: not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return (
-            f"{what} {p}: {'cannot be created in ' + str(probe) if probe != p else 'not writable'} "
-            f"by uid {os.geteuid()} (the user the job runs as)"
-        )
-    return None
 
 
 def host_job(

@@ -45,6 +45,7 @@ from pipeline.artifacts.manifest import (
     read_adapter_manifest,
     write_manifest,
 )
+from pipeline.artifacts.modes import writable_problem
 from pipeline.merge.plan import INDEX, MergeError, MergeMismatch, MergePlan, plan_merge
 from pipeline.merge.quantize import modelopt_version, quantize_checkpoint
 from pipeline.merge.static import merge_refusals
@@ -118,13 +119,9 @@ def merge_adapter(
 
     t0 = time.time()
     adapter_dir, base_dir, out_dir = Path(adapter_dir), Path(base_dir), Path(out_dir)
-    plan, static = _checked_plan(adapter_dir, base_dir, out_dir, dtype)
+    plan, static, device = _checked_plan(adapter_dir, base_dir, out_dir, dtype, device)
     import torch
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise MergeError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
     # The adapter is small: ~233 MB bf16 for the 27B at r=16 on all text linears.
     lora = load_file(str(adapter_dir / WEIGHTS_FILE))
 
@@ -197,10 +194,16 @@ def merge_adapter(
     return MergeResult(out_dir, manifest, seconds, written, merged)
 
 
-def _checked_plan(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str) -> tuple[MergePlan, dict]:
-    """The merge plan and validate's static findings, after every check made before writing (see merge_adapter)."""
-    if out_dir.exists():
+def _checked_plan(
+    adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str, device: str = "auto"
+) -> tuple[MergePlan, dict, str]:
+    """(merge plan, validate's static findings, the device resolved) after every check made before writing:
+    `out_dir` new and creatable, the inputs (plan_merge), validate's refusals, the device, and free space for
+    the output's tensors. One function, so that `merge --dry-run` refuses what the merge would refuse."""
+    if out_dir.exists() or out_dir.is_symlink():
         raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
+    if problem := writable_problem("--out", out_dir):
+        raise MergeError(f"{problem}: pick another --out")
     plan = plan_merge(adapter_dir, base_dir, dtype)
     refused, static = merge_refusals(adapter_dir, base_dir)
     if refused:
@@ -208,24 +211,44 @@ def _checked_plan(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str) 
             f"{adapter_dir}: `pipeline validate` refuses this adapter, so merge does too (nothing written):\n  "
             + "\n  ".join(str(f) for f in refused)
         )
-    return plan, static
+    if device == "auto" or str(device).startswith("cuda"):
+        import torch
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif not torch.cuda.is_available():
+            raise MergeError(f"--device {device}: no CUDA GPU is visible to torch here; use --device cpu")
+    need, free = _space(plan, out_dir)
+    if need >= free:
+        raise MergeError(
+            f"--out {out_dir}: the merged tensors need {need / 1e9:.2f} GB and {free / 1e9:.2f} GB are free there: "
+            "free space or pick another --out"
+        )
+    return plan, static, device
 
 
-def merge_preview(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str = "bfloat16") -> dict:
+def _space(plan: MergePlan, out_dir: Path) -> tuple[int, int]:
+    """(bytes of the output's tensors, bytes free on the filesystem `out_dir` will be written to)."""
+    where = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    return sum(sh.nbytes for sh in plan.shards), shutil.disk_usage(where).free
+
+
+def merge_preview(
+    adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str = "bfloat16", device: str = "auto"
+) -> dict:
     """What `merge_adapter` would write, after the same checks, writing nothing (`pipeline merge --dry-run`).
 
-    Returns {"adapter", "base", "out", "dtype", "layout", "lora_pairs", "shards", "bytes" (the output's tensor
-    bytes), "free_bytes" (free on the filesystem `out` would be written to), "fits" (bytes < free_bytes)}.
-    Raises what merge_adapter raises before it writes: MergeError (`out_dir` exists, bad inputs), MergeMismatch.
+    Returns {"adapter", "base", "out", "dtype", "device", "layout", "lora_pairs", "shards", "bytes" (the output's
+    tensor bytes), "free_bytes" (free on the filesystem `out` would be written to)}.
+    Raises what merge_adapter raises before it writes: MergeError (`out_dir` exists or cannot be created, bad
+    inputs, no GPU for `--device cuda`, not enough space), MergeMismatch.
     """
     adapter_dir, base_dir, out_dir = Path(adapter_dir), Path(base_dir), Path(out_dir)
-    plan, _ = _checked_plan(adapter_dir, base_dir, out_dir, dtype)
-    where = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
-    free = shutil.disk_usage(where).free
-    nbytes = sum(sh.nbytes for sh in plan.shards)
+    plan, _, device = _checked_plan(adapter_dir, base_dir, out_dir, dtype, device)
+    nbytes, free = _space(plan, out_dir)
     return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "dtype": dtype,
-            "layout": plan.layout, "lora_pairs": len(plan.pairs), "shards": len(plan.shards), "bytes": nbytes,
-            "free_bytes": free, "fits": nbytes < free}  # fmt: skip
+            "device": device, "layout": plan.layout, "lora_pairs": len(plan.pairs), "shards": len(plan.shards),
+            "bytes": nbytes, "free_bytes": free}  # fmt: skip
 
 
 def shard_workers(n_shards: int) -> int:
@@ -267,6 +290,8 @@ def merge_and_quantize(
     adapter_dir, base_dir, out_dir = Path(adapter_dir), Path(base_dir), Path(out_dir)
     if out_dir.exists():
         raise MergeError(f"{out_dir} exists; merge writes a new directory (remove it or pick another --out)")
+    if problem := writable_problem("--out", out_dir):
+        raise MergeError(f"{problem}: pick another --out")
     modelopt_version()  # before any byte is written
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     clear_killed_work(out_dir)

@@ -127,7 +127,7 @@ def _inputs(cfg: ProjectConfig, merged_dir: Path, hot_url: str | None, merged_ur
     if not isinstance(man, MergedManifest) or man.quantization is None:
         what = "a bf16 merge" if isinstance(man, MergedManifest) else f"kind {man.kind!r}"
         raise UsageError(f"{merged_dir}/{MANIFEST}: not a quantized merge ({what})")
-    hot_inst = staging_instance(cfg.canary, hot_url)
+    hot_inst = staging_instance(cfg.canary, hot_url, "--hot")
     try:
         merged_inst = Instance(name="merged", url=http_base_url(merged_url))
     except ValueError as e:

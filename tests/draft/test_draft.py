@@ -128,3 +128,18 @@ def test_draft_refuses_an_unknown_version_and_a_base_without_mtp(
     assert r.exit_code == 2 and "version 7 not found" in r.output
     r = CliRunner().invoke(app, ["draft", "agent", "--version", "1", "--base", str(tiny_base)])
     assert r.exit_code == 2 and "no mtp.* tensors" in r.output, r.output
+
+
+def test_no_continuation_to_distil_on_is_a_clear_error(project, tiny_vl_base, tmp_path):
+    """helper-2: when no training prompt gives a greedy continuation of the drafter's 3+ steps (there: the random
+    tiny VL base answered EOS at once; here: a training file with no conversation left), `distil`'s ValueError
+    came out as a traceback, exit 1, no JSON; now exit 2 naming the fix."""
+    reg = _registered(project, tiny_vl_base, tmp_path)
+    (tmp_path / "train.jsonl").write_text("")
+    r = CliRunner().invoke(
+        app, ["draft", "agent", "--version", str(reg.version), "--base", str(tiny_vl_base), "--max-steps", "1",
+              "--json"],
+    )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    err = json.loads(r.stdout)["error"]
+    assert "no greedy continuation" in err and "more (or longer) training conversations" in err

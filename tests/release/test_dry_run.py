@@ -287,7 +287,7 @@ def test_merge_dry_run_checks_and_writes_nothing(cfg, release_adapters, tiny_bas
     r = cli(cfg, "merge", adapter, "--base", tiny_base, "--out", out, "--dry-run", "--json")
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
-    assert plan["action"] == "merge" and plan["lora_pairs"] > 0 and plan["bytes"] > 0 and plan["fits"]
+    assert plan["action"] == "merge" and plan["lora_pairs"] > 0 and 0 < plan["bytes"] < plan["free_bytes"]
     assert not out.exists() and not list(tmp_path.iterdir())
     out.mkdir()
     r = cli(cfg, "merge", adapter, "--base", tiny_base, "--out", out, "--dry-run")
@@ -303,3 +303,57 @@ def test_schedule_emit_dry_run_writes_no_file(cfg, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert f"would write {out / 'lora-retrain-agent.service'}" in r.stdout and "[Service]" in r.stdout
     assert not out.exists()
+
+
+def test_a_dry_run_refuses_every_input_the_real_command_refuses(cfg, release_adapters, tiny_base, tmp_path):
+    """helper-2's inputs: each of these dry runs said exit 0 (a plan) where the real command exits 2."""
+    import torch
+
+    adapter = release_adapters[0][0]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    m = ["merge", adapter, "--base", tiny_base]
+    cases = [
+        (["follow-alias", "--webhook-port", "8999"], "HMAC secret"),
+        ([*m, "--out", "/proc/m1"], "--out /proc/m1"),
+        ([*m, "--out", a_file / "sub"], "in the way"),
+        ([*m, "--out", tmp_path / "q", "--quantize", "nvfp4", "--calib-data", tmp_path / "nope.jsonl"], "nope"),
+        ([*m, "--out", tmp_path / "t", "--name", "nosuch", "--version", "9"], "nosuch"),
+        (["merge-parity", tmp_path, "--merged", "http://127.0.0.1:9", "--name", "agent", "--version", "99"], "99"),
+        (["canary", "agent", "--version", "4", "--staging", "http://127.0.0.1:9", "--instance-path", "/x"],
+         "--instance-path is for directory adapters"),
+        (["canary", "agent", "--version", "4", "--staging", "http://127.0.0.1:9", "--validation", tmp_path],
+         "not a file"),
+        (["canary", "agent", "--version", "4", "--staging", "http://127.0.0.1:9", "--base", tmp_path / "none"],
+         "not a directory"),
+        (["draft", "agent", "--version", "1", "--out", "/proc/x"], "--out /proc/x"),
+        (["schedule", "emit", "--kind", "systemd", "--name", "agent", "--config", "c.yml", "--out", "/proc/s",
+          "--no-check"], "--out /proc/s"),
+        (["schedule", "emit", "--kind", "systemd", "--name", "agent", "--config", "c.yml", "--out", a_file,
+          "--no-check"], "not a directory"),
+    ]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases += [
+            ([*m, "--out", tmp_path / "c", "--device", "cuda"], "no CUDA GPU"),
+            (["draft", "agent", "--version", "1", "--device", "cuda"], "no CUDA GPU"),
+        ]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args, says in cases:
+        r = cli(cfg, *args, "--dry-run")
+        assert r.exit_code == 2 and says in r.output, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # and nothing was written
+
+
+def test_follow_alias_dry_run_creates_no_store(tmp_path):
+    """helper-2: in a project no command had written to yet, the dry run created `state/mlflow.db`."""
+    cfg = new_project(tmp_path / "p", store=False)
+    listing = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    r = cli(cfg, "follow-alias", "--dry-run", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["models"] == [], r.output
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == listing
+
+
+def test_canary_dry_run_speaks_json_under_o_json(cfg, tiny_base):
+    r = cli(cfg, "canary", "agent", "--version", "4", "--staging", "http://127.0.0.1:9", "--base", tiny_base,
+            "--dry-run", "-o", "json")  # fmt: skip
+    assert r.exit_code == 0 and json.loads(r.stdout)["dry_run"] is True, r.output
