@@ -131,14 +131,18 @@ def canary(
     )
     fmt = output_format(output, as_json)
     files = list(validation) or None
-    if dry_run:  # the real run's refusals of its options, then the plan
-        if Path(adapter).is_dir() and (version is not None or alias is not None):
-            raise UsageError(f"{adapter} is a directory: --version/--alias are for registered models")
-        if instance_path and not Path(adapter).is_dir():
-            raise UsageError("--instance-path is for directory adapters")
-        for f in files or []:
-            if not f.is_file():
-                raise UsageError(f"--validation {f}: not a file (a chat JSONL)")
+    # the options' refusals, before anything runs (the dry run's too)
+    if Path(adapter).is_dir() and (version is not None or alias is not None):
+        raise UsageError(f"{adapter} is a directory: --version/--alias are for registered models")
+    if instance_path and not Path(adapter).is_dir():
+        raise UsageError(
+            "--instance-path is for directory adapters (registered versions are "
+            "unpacked under canary.staging_dir, seen at canary.staging_mount)"
+        )
+    for f in files or []:
+        if not f.is_file():
+            raise UsageError(f"--validation {f}: not a file (a chat JSONL)")
+    if dry_run:
         plan = cn.canary_plan(cfg, adapter, version, alias, staging, base, record)
         as_json = fmt is Output.json
         lines = [
@@ -149,8 +153,6 @@ def canary(
         return print_plan({"dry_run": True, "action": "canary", **plan}, as_json, lines)
     try:
         if Path(adapter).is_dir():
-            if version is not None or alias is not None:
-                raise UsageError(f"{adapter} is a directory: --version/--alias are for registered models")
             base_dir = base or default_base(cfg, Path(adapter))
             if base_dir is None:
                 raise UsageError(
@@ -158,11 +160,6 @@ def canary(
                 )
             res = cn.run_canary(cfg, Path(adapter), base_dir, staging, instance_path, files)
         else:
-            if instance_path:
-                raise UsageError(
-                    "--instance-path is for directory adapters (registered versions are "
-                    "unpacked under canary.staging_dir, seen at canary.staging_mount)"
-                )
             _, res = cn.canary_version(cfg, adapter, version, alias, staging, base, files, save=record)
     except Unreachable as e:
         raise FleetError(f"staging instance unreachable: {e}") from e

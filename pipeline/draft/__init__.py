@@ -85,12 +85,8 @@ def _checks(device: str, out: Path | None) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
-    if out is not None:
-        out = Path(out)
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"--out {out}: exists and is not a directory")
-        if problem := writable_problem("--out", out):
-            raise UsageError(problem)
+    if out is not None and (problem := writable_problem("--out", Path(out))):  # a file there, too
+        raise UsageError(problem)
 
 
 def _inputs(cfg: ProjectConfig, name: str, version: int, base_dir: Path | None, td: Path):
